@@ -1,0 +1,97 @@
+"""Engine and speculation configuration: frozen, validated dataclasses (LLM keyword arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "xformers")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed.
+
+    ``disable_batch_size``: speculation is switched off for a step when at least this many
+    sequences are decoding. Verification of k drafts costs (k+1)x the target's tokens; once the
+    batch is large enough that a step is compute-bound, those tokens are no longer free.
+    Measured by ``benchmarks/spec_decode.py`` (see RESULTS.md).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    disable_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        _positive("ngram_min", self.ngram_min)
+        if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_max must be an integer >= ngram_min, got {self.ngram_max!r}")
+        _positive("disable_batch_size", self.disable_batch_size)
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("draft_model is required when method='draft'")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or dict, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model; a HF model directory; or a .gguf file
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from free memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    speculative_config: SpeculativeConfig | dict | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    kv_cache_memory: int | None = None  # bytes for KV when num_kv_blocks is None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**kwargs)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,163 @@
+"""Iteration-level scheduling: who runs this step and with how many tokens.
+
+Pure bookkeeping over ``Sequence`` objects and the ``BlockManager``; no tensors, no model.
+Each step: running decodes first (1 token + up to k lookahead slots for speculation), then
+running prompts that are part-way through a chunked prefill, then FCFS admission of waiting
+prompts, all under ``max_num_seqs`` and ``max_num_batched_tokens``. When a decode cannot get
+a block, the youngest running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from memory import BlockManager
+from scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens of ``seq.token_ids`` computed this step
+    num_lookahead_slots: int = 0  # slots reserved after them for draft tokens
+    samples: bool = field(init=False)  # the step reaches the end of the sequence: sample there
+
+    def __post_init__(self) -> None:
+        reaches_end = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+        object.__setattr__(self, "samples", reaches_end)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # (src, dst) block pairs: copy-on-write of shared, partly filled last blocks, done before the step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_lookahead_slots for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0
+        self.num_prefix_cache_hit_tokens = 0
+
+    # --- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Register a sequence whose blocks are already allocated (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (finished or aborted) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step ---------------------------------------------------------------------------
+    def schedule(self, num_lookahead_slots: int = 0) -> SchedulerOutput:
+        """Pick this step's sequences. ``num_lookahead_slots`` = k draft slots per decode."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        for seq in [s for s in self.running if s.is_decoding]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            k = min(num_lookahead_slots, budget - 1, self.config.max_model_len - len(seq))
+            k = max(k, 0)
+            if not self._reserve(seq, 1 + k, out):
+                continue  # seq itself was preempted
+            out.scheduled.append(ScheduledSequence(seq, 1, k))
+            scheduled_ids.add(seq.seq_id)
+            budget -= 1 + k
+
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled_ids or seq.is_decoding:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)  # blocks were allocated at admission
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+
+        # No admissions in a step that preempted: memory is short, and the preempted sequence
+        # would only be re-admitted and preempted again.
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq.token_ids):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            self.num_prefix_cache_hit_tokens += seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return out
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make the block table cover ``num_tokens`` slots past the computed prefix.
+
+        Preempts the youngest running sequences until it fits; returns False if ``seq`` itself
+        had to go.
+        """
+        bm = self.block_manager
+        extra = seq.num_computed_tokens + num_tokens - bm.num_tokens(seq.seq_id)
+        while extra > 0 and not bm.can_append(seq.seq_id, extra):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        if extra > 0:
+            cow = bm.append(seq.seq_id, extra)
+            if cow is not None:
+                out.blocks_to_copy.append(cow)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop the blocks, keep the tokens, go to the front of the queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1

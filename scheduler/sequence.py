@@ -1,0 +1,53 @@
+"""The scheduler's view of one sequence: its tokens and how many of them have KV in the cache."""
+
+from __future__ import annotations
+
+import enum
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream (a request has n of them).
+
+    Invariants:
+    - ``token_ids`` = prompt + committed outputs; never holds draft tokens.
+    - ``num_computed_tokens`` tokens (a prefix of ``token_ids``) have their K/V in the cache.
+      A running sequence always has at least one uncomputed token: the next step computes
+      ``token_ids[num_computed_tokens:]`` (a prefill chunk, or the last sampled token).
+    """
+
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status")
+
+    def __init__(self, seq_id: int, token_ids: list[int]):
+        self.seq_id = seq_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """One token is left to compute: this step samples (and may verify drafts)."""
+        return self.num_uncomputed_tokens == 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )
