@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random HF models with a real byte-level BPE tokenizer, built in tmp dirs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY_VOCAB = 512
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "Speculative decoding drafts tokens and verifies them in one forward pass.",
+    "Café, naïve, jalapeño, 東京, 😀 — multi-byte characters must survive decoding.",
+    "def add(a, b):\n    return a + b\n",
+    "one two three four five six seven eight nine ten",
+]
+
+
+def build_tokenizer(path) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_llama(path, seed: int = 0, layers: int = 2, **overrides) -> str:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **overrides,
+    )
+    model = LlamaForCausalLM(cfg)
+    # Sharper logits than the default init, so greedy decoding has clear winners and the random
+    # model's text is not pure noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> str:
+    """A different, smaller random model with the same vocabulary (a draft model)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)

@@ -1,0 +1,252 @@
+"""The engine loop end to end on a tiny random model: scheduling never changes results, stop
+conditions are exact, bad input is rejected without harming other requests, no block leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys and values in fixed-size blocks of memory. Speculative",
+    "one two three",
+    "def add(a, b):\n    return",
+    "Café, naïve, jalapeño",
+    "x",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[list[int]]:
+    """HF transformers greedy decoding, one prompt at a time."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+def test_greedy_matches_hf_transformers(tiny_llama, reference):
+    assert run(LLM(tiny_llama, num_kv_blocks=128)) == reference
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_num_seqs=1),  # one at a time
+        dict(max_num_batched_tokens=7),  # forced chunked prefill
+        dict(enable_prefix_caching=False),
+        dict(block_size=32),
+    ],
+    ids=["serial", "chunked", "no-prefix-cache", "block32"],
+)
+def test_batch_composition_never_changes_greedy_output(tiny_llama, reference, kwargs):
+    assert run(LLM(tiny_llama, num_kv_blocks=128, **kwargs)) == reference
+
+
+def test_reverse_order(tiny_llama, reference):
+    assert run(LLM(tiny_llama, num_kv_blocks=128), PROMPTS[::-1]) == reference[::-1]
+
+
+def test_forced_preemption_gives_the_same_tokens(tiny_llama, reference):
+    llm = LLM(tiny_llama, num_kv_blocks=8, max_num_batched_tokens=32)
+    assert run(llm) == reference
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_on_a_shared_system_prompt(tiny_llama):
+    system = "Paged attention stores keys and values in fixed-size blocks of memory. " * 4
+    prompts = [system + q for q in ("one two", "three four", "five six")]
+    cached = LLM(tiny_llama, num_kv_blocks=128, max_num_seqs=1)
+    plain = LLM(tiny_llama, num_kv_blocks=128, max_num_seqs=1, enable_prefix_caching=False)
+    assert run(cached, prompts) == run(plain, prompts)
+    ids = [cached.tokenizer.encode(p) for p in prompts]
+    common = next(i for i, col in enumerate(zip(*ids, strict=False)) if len(set(col)) > 1)
+    assert common >= 32
+    expected = 2 * (common // 16 * 16)  # the 2nd and 3rd prompts reuse the full shared blocks
+    assert cached.llm_engine.get_stats().num_prefix_cache_hit_tokens == expected
+    assert plain.llm_engine.get_stats().num_prefix_cache_hit_tokens == 0
+
+
+def test_streaming_steps_and_text_equal_full_decode(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=64))
+    tok = engine.tokenizer
+    engine.add_request("a", PROMPTS[4], SamplingParams(temperature=0.8, seed=3, max_tokens=40))
+    lengths, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            lengths.append(len(out.outputs[0].token_ids))
+            final = out
+    assert lengths == sorted(lengths) and final.finished
+    comp = final.outputs[0]
+    assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True) or (
+        tok.decode(final.prompt_token_ids + comp.token_ids, skip_special_tokens=True)
+        == tok.decode(final.prompt_token_ids, skip_special_tokens=True) + comp.text
+    )
+
+
+def test_stop_string_spanning_tokens_is_cut_exactly(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    text = free[0].outputs[0].text
+    stop = text[5:9]  # four characters that cross a token boundary somewhere in the text
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    assert len(out.token_ids) < len(free[0].outputs[0].token_ids)
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llama, reference):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    ref = reference[0]
+    stop_id = ref[3]
+    first = ref.index(stop_id)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)
+    comp = out[0].outputs[0]
+    assert comp.token_ids == ref[: first + 1] and comp.finish_reason == "stop"
+    # min_tokens forbids the stop token until enough tokens are out
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, min_tokens=first + 2,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)
+    comp = out[0].outputs[0]
+    assert len(comp.token_ids) >= first + 2
+    assert stop_id not in comp.token_ids[: first + 1]
+
+
+def test_eos_stops_unless_ignored(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    eos = llm.tokenizer.eos_token_id
+    # force EOS by making it the only allowed token: top_k=1 on a prompt is not enough, so use
+    # the model's own greedy output and check the finish reason semantics on stop ids instead
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    comp = out[0].outputs[0]
+    assert comp.finish_reason in ("stop", "length")
+    if comp.finish_reason == "stop":
+        assert comp.token_ids[-1] == eos
+    else:
+        assert len(comp.token_ids) == 5
+
+
+def test_n_samples_are_reproducible_and_different(tiny_llama):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    a = LLM(tiny_llama, num_kv_blocks=64).generate(PROMPTS[0], params, use_tqdm=False)[0]
+    b = LLM(tiny_llama, num_kv_blocks=64).generate(PROMPTS[0], params, use_tqdm=False)[0]
+    ids_a = [c.token_ids for c in a.outputs]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert ids_a == [c.token_ids for c in b.outputs]
+    assert len({tuple(x) for x in ids_a}) == 3
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_llama):
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
+    alone = LLM(tiny_llama, num_kv_blocks=128).generate(PROMPTS[1], seeded, use_tqdm=False)
+    busy_llm = LLM(tiny_llama, num_kv_blocks=128, seed=5)
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    outs = busy_llm.generate(PROMPTS, [noise, seeded, noise, noise, noise, noise], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_logprobs_match_log_softmax(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and len(entry) <= 4
+        assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the top token
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", None, "empty"),
+        ([5] * 600, None, "max_model_len"),
+        ([1, 2, 10_000], None, "token ids"),
+        ([1, -1], None, "token ids"),
+        ("hi", "not params", "SamplingParams"),
+        ("hi", SamplingParams(max_tokens=2000), "KV blocks"),
+    ],
+)
+def test_bad_requests_raise_and_harm_nobody(tiny_llama, prompt, params, match):
+    # 20 blocks of 16 hold 320 tokens: less than max_model_len (512)
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=20))
+    engine.add_request("ok", "one two", SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", "x")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(3, "x")
+    assert engine.abort_request("nope") is False
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done = out
+    assert done.request_id == "ok" and len(done.outputs[0].token_ids) == 8
+    assert engine.get_stats().num_free_blocks == 20
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
+    dict(n=0), dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(stop=[""]),
+    dict(stop_token_ids=[-3]), dict(logprobs=-1), dict(seed=-1), dict(temperature="hot"),
+])
+def test_sampling_params_validation_names_the_field(bad):
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_random_requests_with_aborts_finish_and_free_every_block(tiny_llama):
+    rng = random.Random(0)
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=40, max_num_seqs=16,
+                                    max_num_batched_tokens=64))
+    tok = engine.tokenizer
+    added, finished, aborted = 0, {}, set()
+    while added < 200 or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if added < 200:
+                n = rng.randint(1, 40)
+                prompt = [rng.randrange(3, len(tok)) for _ in range(n)]
+                params = SamplingParams(
+                    n=rng.choice([1, 1, 2]),
+                    temperature=rng.choice([0.0, 0.7, 1.0]),
+                    top_k=rng.choice([0, 5]),
+                    top_p=rng.choice([1.0, 0.9]),
+                    max_tokens=rng.randint(1, 30),
+                    seed=rng.choice([None, rng.randrange(100)]),
+                    stop=rng.choice([None, "e"]),
+                )
+                engine.add_request(f"r{added}", prompt, params)
+                added += 1
+        if rng.random() < 0.1 and engine.requests:
+            victim = rng.choice(sorted(engine.requests))
+            assert engine.abort_request(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert len(finished) == 200
+    for rid, out in finished.items():
+        reasons = {c.finish_reason for c in out.outputs}
+        assert reasons <= {"stop", "length", "abort"}
+        assert ("abort" in reasons) == (rid in aborted and "abort" in reasons)
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == 40 and stats.num_running == stats.num_waiting == 0
