@@ -90,5 +90,5 @@ class ModelRunner:
             meta,
         )
         if len(logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, device=dev)]
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
         return self.model.compute_logits(hidden)

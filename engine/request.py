@@ -20,7 +20,7 @@ class SampleState:
     seq: Sequence
     params: SamplingParams
     generator: torch.Generator | None  # None: the engine's shared generator
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None

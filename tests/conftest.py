@@ -42,7 +42,7 @@ def build_tokenizer(path) -> PreTrainedTokenizerFast:
 
 def build_tiny_llama(path, seed: int = 0, layers: int = 2, **overrides) -> str:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    options = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -53,8 +53,8 @@ def build_tiny_llama(path, seed: int = 0, layers: int = 2, **overrides) -> str:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **overrides,
     )
+    cfg = LlamaConfig(**(options | overrides))
     model = LlamaForCausalLM(cfg)
     # Sharper logits than the default init, so greedy decoding has clear winners and the random
     # model's text is not pure noise.

@@ -78,9 +78,7 @@ class DraftModelProposer:
             active = [i for i in active if len(drafts[i]) < ks[i]]
             if not active:
                 break
-            spans = [
-                Span(seqs[i].seq_id, [drafts[i][-1]], len(seqs[i]) + step, 1) for i in active
-            ]
+            spans = [Span(seqs[i].seq_id, [drafts[i][-1]], len(seqs[i]) + step, 1) for i in active]
         for seq, d in zip(seqs, drafts, strict=True):
             self._rounds[seq.seq_id] = (len(seq), d[:-1])
         return drafts

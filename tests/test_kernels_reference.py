@@ -1,0 +1,189 @@
+"""kernels.reference (the CPU serving path and the kernels' oracle) against a naive per-token loop,
+plus the KV-cache write, argument checks and backend dispatch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.testing import make_paged_problem
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A fresh random generator per test; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def naive_attention(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale):
+    """Token by token, head by head, position by position: the definition, nothing clever."""
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = query.shape[1] // num_kv_heads
+    out = torch.zeros_like(query)
+    for s in range(len(seq_lens)):
+        first, last, seq_len = int(cu_query_lens[s]), int(cu_query_lens[s + 1]), int(seq_lens[s])
+        slots = [(int(block_tables[s, p // block_size]), p % block_size) for p in range(seq_len)]
+        for j in range(last - first):
+            pos = seq_len - (last - first) + j
+            for h in range(query.shape[1]):
+                keys = torch.stack([k_cache[b, o, h // group] for b, o in slots[: pos + 1]])
+                values = torch.stack([v_cache[b, o, h // group] for b, o in slots[: pos + 1]])
+                weights = torch.softmax(keys @ query[first + j, h] * scale, dim=0)
+                out[first + j, h] = weights @ values
+    return out
+
+
+# (q_lens, seq_lens) per case; block size 16 unless the case says otherwise.
+CASES = {
+    "decode": ([1, 1, 1, 1, 1], [1, 15, 16, 17, 40]),
+    "verify": ([2, 5, 9, 3], [2, 20, 33, 48]),
+    "prefill_whole_context": ([37, 16], [37, 16]),
+    "prefill_chunk_after_context": ([20, 7], [52, 31]),
+    "mixed_with_empty_span": ([1, 0, 6, 24], [30, 5, 6, 64]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_reference_matches_naive_loop(case, group, gen):
+    q_lens, seq_lens = CASES[case]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=8, block_size=16,
+        dtype=torch.float64, generator=gen, table_padding=2,
+    )  # fmt: skip
+    scale = float(torch.rand((), generator=gen)) + 0.1
+    out = torch.full_like(p.query, float("nan"))
+    got = reference.paged_attention(*p.args(), scale, out=out)
+    assert got is out and not out.isnan().any()
+    torch.testing.assert_close(out, naive_attention(*p.args(), scale), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, 1 << 30])
+def test_reference_chunking_does_not_change_results(chunk_bytes, gen, monkeypatch):
+    # One sequence per chunk, a few per chunk, and everything in one chunk.
+    monkeypatch.setattr(reference, "_CPU_CHUNK_BYTES", chunk_bytes)
+    q_lens = [1, 3, 1, 12, 1, 2]
+    seq_lens = [70, 3, 33, 12, 5, 90]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
+        dtype=torch.float64, generator=gen,
+    )  # fmt: skip
+    out = reference.paged_attention(*p.args(), 0.25)
+    torch.testing.assert_close(out, naive_attention(*p.args(), 0.25), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)]
+)
+def test_reference_low_precision_close_to_float64(dtype, tol, gen):
+    p = make_paged_problem(
+        [1, 4, 30], [100, 20, 30], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+        dtype=torch.float64, generator=gen,
+    )  # fmt: skip
+    exact = reference.paged_attention(*p.args(), 0.125)
+    low = reference.paged_attention(*p.to(dtype).args(), 0.125)
+    assert low.dtype == dtype
+    err = (low.double() - exact).abs().max() / exact.abs().max()
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def test_reference_block_size_32_and_int64_indices(gen):
+    p = make_paged_problem(
+        [1, 5, 40], [64, 33, 40], num_heads=4, num_kv_heads=4, head_dim=8, block_size=32,
+        dtype=torch.float64, generator=gen,
+    )  # fmt: skip
+    args = list(p.args())
+    args[3:] = [t.long() for t in args[3:]]
+    out = reference.paged_attention(*args, 0.3)
+    torch.testing.assert_close(out, naive_attention(*p.args(), 0.3), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, gen):
+    num_blocks, block_size, heads, dim = 6, 16, 3, 8
+    num_tokens = 40
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:7]] = -1
+    # key/value as strided views of a fused projection, the way a model produces them.
+    qkv = torch.randn(num_tokens, 3 * heads + 1, dim, generator=gen)
+    key, value = qkv[:, :heads], qkv[:, heads + 1 : 2 * heads + 1]
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    kernels.write_kv_cache(key, value, k_cache, v_cache, slots.to(slot_dtype), backend=backend)
+
+    keep = slots >= 0
+    expect_k = k_before.view(-1, heads, dim).clone()
+    expect_v = v_before.view(-1, heads, dim).clone()
+    expect_k[slots[keep]] = key[keep]
+    expect_v[slots[keep]] = value[keep]
+    assert torch.equal(k_cache.view(-1, heads, dim), expect_k)
+    assert torch.equal(v_cache.view(-1, heads, dim), expect_v)
+
+
+def _args(**changes):
+    p = make_paged_problem([1, 2], [5, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    args = dict(zip(["query", "k_cache", "v_cache", "block_tables", "cu_query_lens", "seq_lens"],
+                    p.args(), strict=True))  # fmt: skip
+    args["scale"] = 0.5
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"query": torch.randn(3, 3, 8)}, "num_kv_heads"),
+        ({"query": torch.randn(3, 4, 16)}, "query"),
+        ({"cu_query_lens": torch.tensor([0, 1], dtype=torch.int32)}, "cu_query_lens"),
+        ({"seq_lens": torch.tensor([0, 9], dtype=torch.int32)}, "seq_lens"),
+        ({"cu_query_lens": torch.tensor([0, 1, 4], dtype=torch.int32)}, "cu_query_lens"),
+        ({"seq_lens": torch.tensor([5, 90], dtype=torch.int32)}, "seq_lens"),
+        ({"block_tables": torch.zeros(2, 3)}, "block_tables"),
+        ({"scale": 0.0}, "scale"),
+        ({"out": torch.empty(3, 4, 8, dtype=torch.float64)}, "out"),
+    ],
+)
+def test_reference_rejects_bad_input(changes, field):
+    with pytest.raises(ValueError, match=field):
+        reference.paged_attention(**_args(**changes))
+
+
+def test_write_kv_cache_rejects_out_of_range_slot():
+    cache = torch.zeros(2, 4, 1, 8)
+    kv = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reference.write_kv_cache(kv, kv, cache, cache.clone(), torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reference.write_kv_cache(kv, kv, cache, cache.clone(), torch.tensor([0]))
+
+
+def test_dispatch_backends_on_cpu(gen):
+    args = _args()
+    auto = kernels.paged_attention(**args)
+    assert torch.equal(auto, reference.paged_attention(**args))
+    with pytest.raises(ValueError, match="backend"):
+        kernels.paged_attention(**args, backend="cuda")
+    with pytest.raises(ValueError, match="xformers"):
+        kernels.paged_attention(**args, backend="xformers")
+
+
+def test_cpu_path_never_imports_triton_or_xformers():
+    code = (
+        "import sys, torch, kernels\n"
+        "from kernels.testing import make_paged_problem\n"
+        "p = make_paged_problem([1], [3], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)\n"
+        "kernels.paged_attention(*p.args(), 1.0)\n"
+        "assert 'xformers' not in sys.modules and 'kernels.triton_attention' not in sys.modules\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=os.path.dirname(kernels.__path__[0])
+    )

@@ -1,0 +1,189 @@
+"""Triton kernels against kernels.reference computed in float64.
+
+Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before they
+are decorated, i.e. before kernels.triton_* is first imported. kernels.triton_setup does that by
+itself on CPU-only machines; it is repeated here so the module states its own precondition. On a
+CUDA machine nothing is set, the kernels compile, and the @gpu tests run at realistic sizes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference, triton_attention  # noqa: E402
+from kernels.testing import make_paged_problem  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A fresh random generator per test; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).abs().max() / exact.abs().max())
+
+
+def check_against_reference(problem, scale, tol, num_splits=None, dtype=torch.float32):
+    """Runs the kernel on NaN-poisoned output and compares with the float64 reference."""
+    exact = reference.paged_attention(*problem.to(torch.float64).args(), scale)
+    low = problem.to(dtype)
+    out = torch.full_like(low.query, float("nan"))
+    got = triton_attention.paged_attention(*low.args(), scale, out=out, num_splits=num_splits)
+    assert got is out
+    assert not out.isnan().any(), "some output rows were not written"
+    err = relative_error(out, exact)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+# name: (q_lens, seq_lens, query heads per KV head, block size, head dim)
+CASES = {
+    "decode_block_edges": ([1] * 6, [1, 15, 16, 17, 32, 49], 4, 16, 64),
+    "verify_spans_2_to_9": ([2, 3, 4, 5, 6, 7, 8, 9], [9, 3, 70, 5, 16, 40, 8, 33], 3, 16, 32),
+    "prefill_whole_context": ([200], [200], 1, 16, 64),
+    "prefill_chunk_after_context": ([150], [300], 8, 32, 32),
+    "mixed_batch": ([1, 1, 5, 64, 0, 1, 16], [100, 17, 40, 64, 3, 1, 16], 3, 16, 128),
+    "head_dim_48": ([1, 7], [20, 7], 4, 16, 48),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_matches_reference(case, gen):
+    q_lens, seq_lens, group, block_size, head_dim = CASES[case]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, generator=gen, table_padding=3,
+    )  # fmt: skip
+    check_against_reference(p, head_dim**-0.5, tol=1e-5, num_splits=1)
+
+
+def test_triton_random_batch(gen):
+    num_seqs = int(torch.randint(1, 6, (), generator=gen))
+    seq_lens = torch.randint(1, 120, (num_seqs,), generator=gen).tolist()
+    q_lens = [int(torch.randint(0, min(s, 12) + 1, (), generator=gen)) for s in seq_lens]
+    q_lens[0] = max(q_lens[0], 1)
+    group = [1, 3, 4, 8][int(torch.randint(0, 4, (), generator=gen))]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=group, num_kv_heads=1, head_dim=32, block_size=16,
+        generator=gen,
+    )  # fmt: skip
+    check_against_reference(p, 0.2, tol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_triton_split_kv_matches_reference(num_splits, gen):
+    p = make_paged_problem(
+        [1, 1, 6, 40, 1], [300, 2, 90, 40, 129], num_heads=8, num_kv_heads=2, head_dim=32,
+        block_size=16, generator=gen,
+    )  # fmt: skip
+    check_against_reference(p, 0.17, tol=1e-5, num_splits=num_splits)
+
+
+def test_triton_strided_query_int64_indices_and_dispatch(gen):
+    p = make_paged_problem(
+        [3, 1], [20, 33], num_heads=6, num_kv_heads=2, head_dim=32, block_size=16, generator=gen
+    )
+    # The query as a view of a fused QKV projection: token stride larger than heads * dim.
+    qkv = torch.randn(4, 10, 32, generator=gen)
+    qkv[:, :6] = p.query
+    args = [qkv[:, :6], *p.args()[1:3], *(t.long() for t in p.args()[3:])]
+    got = kernels.paged_attention(*args, 0.3, backend="triton")
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 0.3)
+    assert relative_error(got, exact) <= 1e-5
+
+
+def test_triton_rejects_float64():
+    p = make_paged_problem([1], [4], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match="dtype"):
+        triton_attention.paged_attention(*p.to(torch.float64).args(), 1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        triton_attention.paged_attention(*p.args(), 1.0, num_splits=0)
+
+
+# ---- CUDA: realistic sizes (32 query / 8 KV heads, head dim 128, block 16) -------------------
+
+
+def _gpu_problem(q_lens, seq_lens, dtype=torch.float32):
+    cuda_gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return make_paged_problem(
+        q_lens, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=dtype, device="cuda", generator=cuda_gen, table_padding=4,
+    )  # fmt: skip
+
+
+def _gpu_cases(gen):
+    def lens(n, hi):
+        return torch.randint(1, hi + 1, (n,), generator=gen).tolist()
+
+    decode = lens(64, 4096)
+    verify = [max(s, 5) for s in lens(32, 2048)]
+    return {
+        "decode_b64": ([1] * 64, decode),
+        "verify_b32_span5": ([5] * 32, verify),
+        "prefill_chunk_plus_decodes": ([512, *[1] * 15], [2048, *lens(15, 3000)]),
+        "decode_b1_long": ([1], [16384]),
+    }
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["decode_b64", "verify_b32_span5", "prefill_chunk_plus_decodes"])
+def test_gpu_triton_fp32_matches_reference(case, gen):
+    q_lens, seq_lens = _gpu_cases(gen)[case]
+    check_against_reference(_gpu_problem(q_lens, seq_lens), 128**-0.5, tol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_split_kv_is_chosen_for_few_long_sequences(gen):
+    p = _gpu_problem([1], [16384])
+    programs = 8  # one decode tile per KV head
+    max_context = p.block_tables.shape[1] * 16
+    assert triton_attention._auto_num_splits(programs, max_context, p.query.device) > 1
+    check_against_reference(p, 128**-0.5, tol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["decode_b64", "verify_b32_span5", "prefill_chunk_plus_decodes"])
+def test_gpu_triton_bf16_close_to_fp32(case, gen):
+    q_lens, seq_lens = _gpu_cases(gen)[case]
+    check_against_reference(
+        _gpu_problem(q_lens, seq_lens, torch.bfloat16), 128**-0.5, tol=2e-2, dtype=torch.bfloat16
+    )
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["decode_b64", "verify_b32_span5", "prefill_chunk_plus_decodes"])
+def test_gpu_xformers_matches_reference(case, gen):
+    pytest.importorskip("xformers.ops")
+    q_lens, seq_lens = _gpu_cases(gen)[case]
+    p = _gpu_problem(q_lens, seq_lens, torch.bfloat16)
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 128**-0.5)
+    got = kernels.paged_attention(*p.args(), 128**-0.5, backend="xformers")
+    assert relative_error(got, exact) <= 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_write_kv_cache_matches_reference(gen):
+    slots = torch.randperm(4096 * 16, generator=gen)[:3000]
+    slots[torch.randperm(3000, generator=gen)[:100]] = -1
+    key, value = torch.randn(2, 3000, 8, 128, dtype=torch.bfloat16).cuda()
+    caches = [torch.randn(4096, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in "kv"]
+    expect = [c.clone() for c in caches]
+    kernels.write_kv_cache(key, value, *caches, slots.cuda(), backend="triton")
+    kernels.write_kv_cache(key, value, *expect, slots.cuda(), backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(caches, expect, strict=True))

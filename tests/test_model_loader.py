@@ -1,0 +1,290 @@
+"""Weight loading: HF directories, GGUF files (tiny ones written here), dummy weights, bad input."""
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from paged_harness import PagedHarness
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+import engine.default_model
+from engine.default_model import convert_gguf
+from engine.model_loader import load_model, resolve_dtype
+from engine.models.layers import RMSNorm
+
+Q = gguf.GGMLQuantizationType
+TINY = dict(
+    vocab_size=257,  # the 256 byte tokens + one merge, see write_gguf
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    module, suffix = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def random_hf_model(config, seed: int = 0) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
+    return model
+
+
+def write_gguf(hf_model, path: str, arch: str, qtype: Q = Q.F32) -> None:
+    """What llama.cpp's converter would write for ``hf_model``: metadata, a byte-level BPE
+    tokenizer, q/k rows permuted for the "llama" architecture, matrices quantized to qtype."""
+    c = hf_model.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name("tiny")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    byte_chars = bytes_to_unicode()
+    w.add_token_list([byte_chars[b] for b in range(256)] + ["ab"])
+    w.add_token_types([1] * 257)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = tensor.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, c.num_key_value_heads)
+        if data.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def load_cpu(path, **kwargs):
+    return load_model(str(path), dtype="float32", device="cpu", **kwargs)
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+GGUF_CASES = {
+    "llama": (LlamaConfig, {}),
+    "llama-untied": (LlamaConfig, {"tie_word_embeddings": False}),
+    "qwen2": (Qwen2Config, {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_f32_gguf_loads_the_same_weights_as_the_hf_checkpoint(case, tmp_path):
+    config_cls, extra = GGUF_CASES[case]
+    hf = random_hf_model(config_cls(**TINY, **extra), seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    arch = hf.config.model_type
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), arch)
+    from_gguf = load_cpu(tmp_path / "tiny.gguf")
+    assert from_gguf.config.model_type == arch
+    assert from_gguf.tokenizer("abc").input_ids == [257 - 1, ord("c")]
+    assert_same_weights(from_gguf.model, load_cpu(tmp_path / "hf").model)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_quantized_gguf_logits_match_hf_loading_the_same_file(qtype, tmp_path):
+    hf = random_hf_model(LlamaConfig(**TINY), seed=2)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama", qtype)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
+    ours = load_cpu(tmp_path / "tiny.gguf").model
+    tokens = torch.randint(257, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    (logits,) = PagedHarness(ours, num_seqs=1, max_len=19).step([(0, tokens)])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([tokens])).logits[0]
+        exact = hf(torch.tensor([tokens])).logits[0]
+    assert float((logits - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert not torch.allclose(logits, exact, rtol=1e-4, atol=1e-4)  # the file really is quantized
+
+
+def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path):
+    hf = random_hf_model(LlamaConfig(**TINY), seed=3)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama", Q.Q8_0)
+    target = tmp_path / "cache" / "tiny"
+    convert_gguf(str(tmp_path / "tiny.gguf"), str(target))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(target))
+    assert os.listdir(tmp_path / "cache") == ["tiny"]  # no temporary directory left behind
+    converted, direct = load_cpu(target), load_cpu(tmp_path / "tiny.gguf")
+    assert_same_weights(converted.model, direct.model)
+    assert converted.tokenizer("abcab").input_ids == direct.tokenizer("abcab").input_ids
+    assert converted.config.to_dict() == direct.config.to_dict() | {
+        "_name_or_path": converted.config._name_or_path
+    }
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    hf = random_hf_model(LlamaConfig(**TINY), seed=4)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.default_model, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "cache" / "tiny"))
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_dummy_weights_from_a_config_alone(tmp_path):
+    config = Qwen2Config(**TINY)
+    config.save_pretrained(tmp_path)
+    a = load_cpu(tmp_path / "config.json", load_format="dummy", seed=7)
+    b = load_cpu(tmp_path, load_format="dummy", seed=7)
+    c = load_cpu(tmp_path, load_format="dummy", seed=8)
+    assert a.tokenizer is None and a.config.model_type == "qwen2"
+    assert_same_weights(a.model, b.model)
+    attn = a.model.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
+    assert attn.qkv_proj.bias.shape == (128,)
+    assert a.model.lm_head.weight.shape == (257, 64)
+    assert len(a.model.model.layers) == 2
+    weight = a.model.model.layers[1].mlp.gate_up_proj.weight
+    assert abs(float(weight.std()) - 0.02) < 0.002
+    assert not torch.equal(weight, c.model.model.layers[1].mlp.gate_up_proj.weight)
+    for module in a.model.modules():
+        if isinstance(module, RMSNorm):
+            assert torch.equal(module.weight, torch.ones_like(module.weight))
+
+
+def test_dummy_weights_in_bfloat16(tmp_path):
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device="cpu", load_format="dummy")
+    assert {p.dtype for p in model.model.parameters()} == {torch.bfloat16}
+
+
+def test_missing_path_raises(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match="does not exist.*nope"):
+        load_cpu(missing)
+
+
+def test_unsupported_architecture_raises(tmp_path):
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    for load_format in ("auto", "dummy"):
+        with pytest.raises(ValueError, match="'gpt2'.*supported"):
+            load_cpu(tmp_path, load_format=load_format)
+
+
+def test_unsupported_gguf_quantization_raises(tmp_path):
+    path = str(tmp_path / "q81.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_1][1]
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, block_bytes), np.uint8), raw_dtype=Q.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight'.*Q8_1"):
+        load_cpu(path)
+
+
+def test_checkpoint_problems_raise(tmp_path):
+    hf = random_hf_model(LlamaConfig(**TINY), seed=5)
+    hf.save_pretrained(tmp_path)
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, file)
+    with pytest.raises(ValueError, match="missing.*model.layers.1.self_attn.qkv_proj.weight"):
+        load_cpu(tmp_path)
+    save_file(tensors | {"model.layers.0.extra.weight": torch.zeros(2)}, file)
+    with pytest.raises(ValueError, match="'model.layers.0.extra.weight'"):
+        load_cpu(tmp_path)
+    save_file(tensors | {name: torch.zeros(5, 64)}, file)
+    with pytest.raises(ValueError, match=f"'{name}' has shape \\(5, 64\\)"):
+        load_cpu(tmp_path)
+    os.remove(file)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_cpu(tmp_path)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_cpu(tmp_path)
+
+
+def test_sharded_index_is_followed(tmp_path):
+    hf = random_hf_model(Qwen2Config(**TINY), seed=6)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    (tmp_path / "stray.safetensors").write_bytes(b"not listed in the index, never opened")
+    model = load_cpu(tmp_path).model
+    assert torch.equal(model.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+
+
+def test_bad_options_raise(tmp_path):
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(str(tmp_path), dtype="int8", device="cpu", load_format="dummy")
+    with pytest.raises(ValueError, match="device"):
+        load_model(str(tmp_path), device="tpu", load_format="dummy")
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(str(tmp_path), device="cpu", load_format="pt")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16

@@ -1,0 +1,221 @@
+"""Sampler: greedy, top-k / top-p / min-p support, sampling frequencies, seeds, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingBatch, processed_probs, sample_from_probs
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(statistic, threshold df + 10·sqrt(2·df)); bins with expected count < 5 are merged."""
+    counts, expected = counts.double(), probs.double() * counts.sum()
+    small = expected < 5
+    obs, exp = counts[~small], expected[~small]
+    if small.any():
+        obs = torch.cat([obs, counts[small].sum()[None]])
+        exp = torch.cat([exp, expected[small].sum()[None]])
+    if (exp == 0).any() and obs[exp == 0].sum() > 0:
+        return math.inf, 0.0  # a token with probability 0 was sampled
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    df = len(exp) - 1
+    return float(((obs - exp) ** 2 / exp).sum()), df + 10 * math.sqrt(2 * df)
+
+
+def naive_probs(logits: list[float], t: float, k: int, p: float, m: float) -> list[float]:
+    """One row, float64, written straight from the definitions (the oracle)."""
+    vocab = len(logits)
+    if t == 0:
+        best = max(range(vocab), key=lambda i: (logits[i], -i))
+        return [float(i == best) for i in range(vocab)]
+    order = sorted(range(vocab), key=lambda i: -logits[i])
+    kept = order[:k] if 0 < k < vocab else order
+    weights = {i: math.exp((logits[i] - logits[order[0]]) / t) for i in kept}
+    total = sum(weights.values())
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if p < 1 and mass >= p:
+            break
+        nucleus.append(i)
+        mass += weights[i] / total
+    top = max(weights[i] for i in nucleus)
+    final = {i: weights[i] for i in nucleus if weights[i] >= m * top}
+    total = sum(final.values())
+    return [final.get(i, 0.0) / total for i in range(vocab)]
+
+
+def random_params(n: int, gen: torch.Generator) -> tuple[list, list, list, list]:
+    def pick(options: list, size: int) -> list:
+        return [options[i] for i in torch.randint(0, len(options), (size,), generator=gen)]
+
+    return (
+        pick([0.0, 0.5, 1.0, 1.7], n),
+        pick([0, 1, 5, 20, 64, 100], n),
+        pick([1.0, 0.3, 0.8, 0.95], n),
+        pick([0.0, 0.05, 0.2], n),
+    )
+
+
+def test_processed_probs_match_naive_per_row():
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = 300, 64
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    temperature, top_k, top_p, min_p = random_params(n, gen)
+    batch = SamplingBatch.from_params(temperature, top_k, top_p, min_p)
+    probs = processed_probs(logits, batch)
+    rows = [
+        naive_probs(logits[i].tolist(), temperature[i], top_k[i], top_p[i], min_p[i])
+        for i in range(n)
+    ]
+    expected = torch.tensor(rows, dtype=torch.float64)
+    assert torch.equal(probs > 0, expected > 0)  # exactly the right support
+    assert torch.allclose(probs.double(), expected, atol=1e-5)
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    gen = torch.Generator().manual_seed(1)
+    n, vocab = 64, 50
+    logits = torch.randint(0, 6, (n, vocab), generator=gen).float()  # many ties
+    expected = [max(range(vocab), key=lambda i, r=row: (r[i], -i)) for row in logits.tolist()]
+    sampler = Sampler(seed=1)
+    all_greedy = SamplingBatch.from_params([0.0] * n, [0] * n, [1.0] * n, [0.0] * n)
+    assert sampler(logits, all_greedy).token_ids.tolist() == expected
+    # mixed batch: greedy rows go through the one-hot distribution and the race
+    temperature = [0.0 if i % 2 else 1.0 for i in range(n)]
+    mixed = SamplingBatch.from_params(temperature, [3] * n, [0.9] * n, [0.1] * n)
+    got = sampler(logits, mixed).token_ids.tolist()
+    assert got[1::2] == expected[1::2]
+
+
+def test_tiny_temperature_is_finite_and_picks_the_max():
+    logits = torch.tensor([[1.0, 3.0, 2.999, -5.0], [100.0, -100.0, 0.0, 99.0]])
+    batch = SamplingBatch.from_params([1e-8, 1e-8], [0, 2], [1.0, 0.5], [0.0, 0.0])
+    probs = processed_probs(logits, batch)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(Sampler()(logits, batch).token_ids, torch.tensor([1, 0]))
+
+
+def test_sampling_frequencies_match_processed_distribution():
+    gen = torch.Generator().manual_seed(2)
+    vocab, reps = 30, 25_000
+    configs = [(0.6, 0, 1.0, 0.0), (1.3, 10, 1.0, 0.0), (1.0, 0, 0.7, 0.0), (0.9, 0, 1.0, 0.1)]
+    base = torch.randn(len(configs), vocab, generator=gen) * 2
+    logits = base.repeat_interleave(reps, 0)
+    columns = [[c[j] for c in configs for _ in range(reps)] for j in range(4)]
+    batch = SamplingBatch.from_params(*columns)
+    ids = Sampler(seed=2)(logits, batch).token_ids.view(len(configs), reps)
+    for i, config in enumerate(configs):
+        expected = torch.tensor(naive_probs(base[i].tolist(), *config))
+        stat, threshold = chi_square(torch.bincount(ids[i], minlength=vocab), expected)
+        assert stat < threshold, (config, stat, threshold)
+
+
+def test_seeded_row_is_the_same_alone_and_in_a_batch():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 1000
+    row = torch.randn(1, vocab, generator=gen)
+    others = torch.randn(5, vocab, generator=gen)
+
+    def run(logits: torch.Tensor, params: list[tuple], seeds: list[int | None]) -> list[list[int]]:
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        batch = SamplingBatch.from_params(*zip(*params, strict=True), generators=gens)
+        sampler = Sampler(seed=sum(len(p) for p in params))
+        return [sampler(logits, batch).token_ids.tolist() for _ in range(6)]
+
+    alone = run(row, [(1.0, 0, 1.0, 0.0)], [7])
+    params = [
+        (0.8, 5, 1.0, 0.0),
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (1.0, 0, 0.9, 0.0),
+        (1.2, 0, 1.0, 0.05),
+        (0.5, 0, 1.0, 0.0),
+    ]
+    batched = run(torch.cat([others[:2], row, others[2:]]), params, [None, 5, 7, 8, None, None])
+    assert [draw[0] for draw in alone] == [draw[2] for draw in batched]
+    assert len({draw[0] for draw in alone}) > 1  # it really samples
+
+
+def test_greedy_rows_consume_no_randomness():
+    logits = torch.randn(3, 20)
+    sampler = Sampler(seed=0)
+    shared_before = sampler.generator.get_state()
+    seeded = torch.Generator().manual_seed(11)
+    seeded_before = seeded.get_state()
+
+    def batch(temperature: list[float]) -> SamplingBatch:
+        return SamplingBatch.from_params(
+            temperature, [0] * 3, [1.0] * 3, [0.0] * 3, [seeded, None, None]
+        )
+
+    sampler(logits, batch([0.0, 0.0, 0.0]))
+    assert torch.equal(sampler.generator.get_state(), shared_before)
+    assert torch.equal(seeded.get_state(), seeded_before)
+    sampler(logits, batch([0.0, 1.0, 1.0]))  # the seeded row is greedy: its generator is untouched
+    assert torch.equal(seeded.get_state(), seeded_before)
+    sampler(logits, batch([1.0, 0.0, 0.0]))  # control: a sampled seeded row does draw
+    assert not torch.equal(seeded.get_state(), seeded_before)
+
+
+def test_logprobs_are_raw_log_softmax_at_sampled_ids():
+    gen = torch.Generator().manual_seed(4)
+    n, vocab = 32, 100
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    temperature, top_k, top_p, min_p = random_params(n, gen)
+    batch = SamplingBatch.from_params(temperature, top_k, top_p, min_p, num_logprobs=3)
+    out = Sampler(seed=4)(logits, batch)
+    raw = logits.double().log_softmax(-1)
+    assert torch.allclose(out.logprobs.double(), raw.gather(1, out.token_ids[:, None])[:, 0])
+    values, ids = out.top_logprobs
+    expected = raw.topk(3, dim=-1)
+    assert torch.equal(ids, expected.indices)
+    assert torch.allclose(values.double(), expected.values, atol=1e-6)
+    plain = SamplingBatch.from_params(temperature, top_k, top_p, min_p)
+    assert Sampler()(logits, plain).logprobs is None
+
+
+def test_padding_lanes_and_zero_weights_are_never_sampled():
+    gen = torch.Generator().manual_seed(5)
+    n, vocab, real_vocab = 20_000, 40, 33
+    logits = torch.randn(n, vocab, generator=gen)
+    logits[:, real_vocab:] = float("-inf")  # vocabulary padding
+    batch = SamplingBatch.from_params([2.0] * n, [0] * n, [1.0] * n, [0.0] * n)
+    ids = Sampler(seed=5)(logits, batch).token_ids
+    assert ids.max() < real_vocab and ids.min() >= 0
+    weights = torch.zeros(n, vocab)
+    weights[:, 4], weights[:, 9] = 3.0, 1.0  # unnormalised on purpose
+    ids = sample_from_probs(weights, [None] * n, gen)
+    counts = torch.bincount(ids, minlength=vocab)
+    stat, threshold = chi_square(counts, weights[0] / 4)
+    assert stat < threshold
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", -0.2),
+        ("min_p", 1.1),
+    ],
+)
+def test_bad_parameters_raise_naming_the_field(field, value):
+    params = {"temperature": [1.0, 1.0], "top_k": [0, 0], "top_p": [1.0, 1.0], "min_p": [0.0, 0.0]}
+    params[field] = [params[field][0], value]
+    with pytest.raises(ValueError, match=field):
+        SamplingBatch.from_params(**params)
+
+
+def test_mismatched_lengths_raise():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingBatch.from_params([1.0, 1.0], [0], [1.0, 1.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="generators"):
+        SamplingBatch.from_params([1.0], [0], [1.0], [0.0], generators=[None, None])
+    with pytest.raises(ValueError, match="num_logprobs"):
+        SamplingBatch.from_params([1.0], [0], [1.0], [0.0], num_logprobs=-1)
+    with pytest.raises(ValueError, match="logits"):
+        processed_probs(torch.zeros(3, 5), SamplingBatch.from_params([1.0], [0], [1.0], [0.0]))

@@ -1,0 +1,143 @@
+"""Speculative decoding inside the engine: lossless, rolled back by block-table rewrite only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [
+    "one two three four five one two three four five one two three",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\ndef add(a, b):\n",
+    "x",
+    "Paged attention stores keys and values in fixed-size blocks of memory. " * 3,
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def generate(llm, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.get_stats().num_free_blocks == engine.block_manager.num_blocks
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return generate(LLM(tiny_llama, num_kv_blocks=128))
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_kv_blocks=128),
+        dict(num_kv_blocks=128, max_num_batched_tokens=9),  # chunked prefill, shrunk lookahead
+        dict(num_kv_blocks=14, max_num_batched_tokens=64),  # forced preemption
+    ],
+    ids=["batch", "chunked", "preempt"],
+)
+def test_ngram_greedy_equals_plain_greedy(tiny_llama, plain, kwargs):
+    llm = LLM(tiny_llama, speculative_config=NGRAM, **kwargs)
+    assert generate(llm) == plain
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    if kwargs["num_kv_blocks"] == 14:
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_greedy_equals_plain_greedy(tiny_llama, tiny_draft, plain):
+    spec = {"method": "draft", "draft_model": tiny_draft, "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec, max_num_batched_tokens=32)
+    assert generate(llm) == plain
+    assert llm.llm_engine.get_stats().num_draft_tokens > 0
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_llama, plain):
+    spec = {"method": "draft", "draft_model": tiny_llama, "num_speculative_tokens": 4}
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec)
+    assert generate(llm) == plain
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.mean_accepted_length > 4
+
+
+def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
+    other = build_tiny_llama(tmp_path / "other", vocab_size=300)
+    spec = {"method": "draft", "draft_model": other}
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama, num_kv_blocks=16, speculative_config=spec)
+
+
+def test_seeded_sampling_with_speculation_reproduces_itself(tiny_llama):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
+    runs = [generate(LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM), params=params)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
+    # Stop at a token id that speculation would otherwise run past; the output must end there.
+    ref = plain[0]
+    stop_id = ref[len(ref) // 2]
+    cut = ref.index(stop_id) + 1
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id])
+    llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
+    text_ref = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text_ref[10:13]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text_ref[: text_ref.find(stop)] and out.finish_reason == "stop"
+    for max_tokens in (1, 2, 7):
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                      ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref[:max_tokens]
+
+
+def test_n_and_logprobs_work_with_speculation(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=NGRAM)
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert all(len(c.logprobs) == len(c.token_ids) == 12 for c in out.outputs)
+
+
+def test_rollback_touches_no_kv_memory(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    caches = [t for pair in engine.runner.kv_caches for t in pair]
+    real_truncate = bm.truncate
+    calls = []
+
+    def checksum(t):  # over the raw bits: the cache holds uninitialised (even NaN) slots
+        return t.data_ptr(), t.view(torch.int32).sum(dtype=torch.int64).item()
+
+    def checked_truncate(seq_id, num_tokens):
+        before = [checksum(t) for t in caches]
+        real_truncate(seq_id, num_tokens)
+        assert before == [checksum(t) for t in caches]
+        assert len(bm.block_table(seq_id)) == math.ceil(num_tokens / bm.block_size)
+        calls.append(num_tokens)
+
+    bm.truncate = checked_truncate
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    with torch.no_grad():
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                table = bm.block_table(seq.seq_id)
+                assert len(table) == math.ceil(seq.num_computed_tokens / bm.block_size)
+                assert all(bm.ref_count(b) >= 1 for b in table)
+    assert calls and engine.get_stats().num_accepted_tokens > 0
