@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             messages = item if isinstance(item, list) else [{"role": "user", "content": item}]
             if args.system and isinstance(item, str):
                 messages = [{"role": "system", "content": args.system}, *messages]
-            item = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            item = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
         prompts.append(item)
     params = SamplingParams(
         n=args.n,
@@ -143,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             record = {
                 "prompt": item,
                 "outputs": [
-                    {"text": c.text, "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason}
+                    {
+                        "text": c.text,
+                        "num_tokens": len(c.token_ids),
+                        "finish_reason": c.finish_reason,
+                    }
                     for c in out.outputs
                 ],
                 "prompt_tokens": len(out.prompt_token_ids),

@@ -43,7 +43,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
-                    f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts"
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
                 )
         engine = self.llm_engine
         ids = []

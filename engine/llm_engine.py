@@ -20,7 +20,7 @@ from engine.sampler import Sampler, SamplingBatch, processed_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import rejection_sample
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer, Proposer
-from memory import BlockManager, kv_block_bytes, num_kv_blocks
+from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig, Sequence
 
 # On CPU, KV defaults to this fraction of available RAM (capped by what the limits can use).
@@ -30,7 +30,9 @@ _CPU_KV_MEMORY_FRACTION = 0.3
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        target = load_model(config.model, config.dtype, config.device, config.load_format, config.seed)
+        target = load_model(
+            config.model, config.dtype, config.device, config.load_format, config.seed
+        )
         self.model_config = target.config
         self.tokenizer = target.tokenizer
         self.vocab_size = int(target.config.vocab_size)
@@ -54,22 +56,30 @@ class LLMEngine:
                 )
         models = [target] + ([draft] if draft else [])
         num_blocks = self._num_blocks([m.config for m in models])
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.block_manager,
         )
         backend = config.attention_backend
         self.runner = ModelRunner(
-            target.model, self._kv_caches(target.config, num_blocks), self.block_manager, backend,
+            target.model,
+            self._kv_caches(target.config, num_blocks),
+            self.block_manager,
+            backend,
             self.device,
         )
         self.num_lookahead = spec.num_speculative_tokens if spec else 0
         self.proposer: Proposer | None = None
         if draft is not None:
             draft_runner = ModelRunner(
-                draft.model, self._kv_caches(draft.config, num_blocks), self.block_manager,
-                backend, self.device,
+                draft.model,
+                self._kv_caches(draft.config, num_blocks),
+                self.block_manager,
+                backend,
+                self.device,
             )
             self.proposer = DraftModelProposer(draft_runner)
         elif spec is not None:
@@ -128,7 +138,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
         self._check_fits(token_ids, params)
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
+        request = Request(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params
+        )
         seq = Sequence(self._new_seq_id(), token_ids)
         self._add_sample(request, seq, 0)
         self.requests[request_id] = request
@@ -353,17 +365,23 @@ class LLMEngine:
             tokens = [[t] for t in out.token_ids.tolist()]
         else:
             tokens = self._verify(logits, sbatch, batch, starts)
-        logprobs = [self._logprobs(s, logits[st : st + len(t)], t) for (s, _, _), st, t in zip(
-            batch, starts, tokens, strict=True
-        )]
+        logprobs = [
+            self._logprobs(s, logits[st : st + len(t)], t)
+            for (s, _, _), st, t in zip(batch, starts, tokens, strict=True)
+        ]
         return tokens, logprobs
 
     def _verify(self, logits, sbatch, batch, starts) -> list[list[int]]:
         probs = processed_probs(logits, sbatch)
-        k = max(len(d) for _, _, d in batch)
+        # K is fixed (not this batch's longest draft) so a seeded row draws the same number of
+        # uniforms whatever else is in the batch.
+        k = self.num_lookahead
         num_drafts = [len(d) for _, _, d in batch]
         index = torch.tensor(
-            [[st + min(j, n) for j in range(k + 1)] for st, n in zip(starts, num_drafts, strict=True)],
+            [
+                [st + min(j, n) for j in range(k + 1)]
+                for st, n in zip(starts, num_drafts, strict=True)
+            ],
             device=probs.device,
         )
         target_probs = probs[index]  # [S, k+1, V]; rows past a sequence's drafts repeat its last
@@ -460,7 +478,6 @@ class LLMEngine:
         ):
             sample.finish_reason = "length"
         return sample.finished
-
 
 
 def _check_stop_strings(sample: SampleState, new_chars: int) -> None:

@@ -48,7 +48,9 @@ class SamplingParams:
             self.stop = [self.stop]
         stops = self.stop or []
         if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
         self.stop_strings = tuple(stops)
         ids = self.stop_token_ids or []
         if not isinstance(ids, list | tuple) or not all(

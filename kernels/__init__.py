@@ -1,0 +1,80 @@
+"""Paged attention and KV-cache write behind one dispatch.
+
+Backends: "torch" (kernels.reference, plain PyTorch: the CPU path), "triton" (kernels.triton_*;
+on CPU tensors it runs in Triton's interpreter, see kernels.triton_attention), "xformers" (CUDA
+only; its paged attention for attention, the Triton scatter for the cache write). "auto" picks
+"triton" for CUDA tensors and "torch" otherwise. Triton and xformers modules are imported only
+when first used, so a CPU process never imports xformers.
+"""
+
+from typing import Literal
+
+import torch
+
+from kernels import reference
+
+Backend = Literal["auto", "torch", "triton", "xformers"]
+_BACKENDS = ("auto", "torch", "triton", "xformers")
+
+__all__ = ["Backend", "paged_attention", "write_kv_cache"]
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "xformers" and device.type != "cuda":
+        raise ValueError(f"backend 'xformers' needs CUDA tensors, got tensors on {device}")
+    return backend
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: Backend = "auto",
+) -> None:
+    """Write key/value [T, Hkv, D] into caches [N, B, Hkv, D] at slot = block * B + offset.
+
+    In place; slot -1 skips the token. slot_mapping is int64 or int32.
+    """
+    if _resolve(backend, key.device) == "torch":
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    from kernels.triton_kv_write import write_kv_cache as triton_write
+
+    triton_write(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal attention of packed query spans [T, Hq, D] over paged K/V; returns out [T, Hq, D].
+
+    Span i is query[cu_query_lens[i]:cu_query_lens[i+1]], the last q_len_i tokens of a context of
+    seq_lens[i] tokens already in the cache; its token j sits at seq_lens[i] - q_len_i + j and
+    attends to positions 0..that position. block_tables [S, M] rows may be padded with any valid
+    block id past ceil(seq_lens[i] / block_size) entries.
+    """
+    chosen = _resolve(backend, query.device)
+    args = (query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out)
+    if chosen == "torch":
+        return reference.paged_attention(*args)
+    if chosen == "triton":
+        from kernels.triton_attention import paged_attention as triton_attention
+
+        return triton_attention(*args)
+    from kernels.xformers_backend import paged_attention as xformers_attention
+
+    return xformers_attention(*args)

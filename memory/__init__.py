@@ -1,0 +1,7 @@
+"""Paged KV memory: block pool, per-sequence block tables, prefix caching and KV sizing."""
+
+from memory.block_manager import BlockManager, BlockStats
+from memory.block_pool import NoFreeBlocksError
+from memory.kv_cache import kv_block_bytes, num_kv_blocks
+
+__all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError", "kv_block_bytes", "num_kv_blocks"]

@@ -39,7 +39,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # (src, dst) block pairs: copy-on-write of shared, partly filled last blocks, done before the step
+    # (src, dst) blocks: copy-on-write of shared, partly filled last blocks, before the step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property

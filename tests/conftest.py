@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random HF models with a real byte-level BPE tokenizer, built in tmp dirs."""
+"""Shared fixtures: tiny random HF models with a real byte-level BPE tokenizer, in tmp dirs."""
 
 from __future__ import annotations
 

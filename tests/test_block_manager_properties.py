@@ -43,7 +43,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the prefix whose KV it holds
         self.seqs: dict[int, _Seq] = {}
         self.next_id = 0
-        self.prompts: list[list[int]] = []  # every committed token list, to draw shared prefixes from
+        # Every committed token list, to draw shared prefixes from.
+        self.prompts: list[list[int]] = []
         self.committed_prefixes: set[tuple[int, ...]] = set()  # full-block prefixes ever committed
 
     # --- helpers -----------------------------------------------------------------------------
@@ -74,6 +75,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def pick(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.seqs)), label="seq_id")
 
+    def admit(self, prompt: list[int]) -> int | None:
+        """allocate(prompt) checked against the model; the new seq id, or None if it did not fit."""
+        bm, seq_id = self.bm, self.next_id
+        expected = bm.match_prefix(prompt)
+        assert expected % self.size == 0 and expected <= len(prompt) - 1
+        if not bm.can_allocate(prompt):
+            before = self.snapshot()
+            with pytest.raises(NoFreeBlocksError):
+                bm.allocate(seq_id, prompt)
+            assert self.snapshot() == before and not bm.has_seq(seq_id)
+            return None
+        cached = bm.allocate(seq_id, prompt)
+        assert cached == expected
+        self.next_id += 1
+        self.seqs[seq_id] = _Seq(prompt, 0)
+        # A hit serves only full blocks of committed tokens whose KV is exactly this prefix's.
+        for pos, slot in enumerate(bm.slot_ids(seq_id, 0, cached)):
+            assert self.kv.get(slot) == tuple(prompt[: pos + 1])
+        for end in range(self.size, cached + 1, self.size):
+            assert tuple(prompt[:end]) in self.committed_prefixes
+        self.write(seq_id, cached)
+        return seq_id
+
     # --- rules -------------------------------------------------------------------------------
 
     @rule(
@@ -91,27 +115,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             prompt = base[: data.draw(st.integers(0, len(base)), label="cut")] + prompt
         if not prompt:
             return
-        bm, seq_id = self.bm, self.next_id
-        expected = bm.match_prefix(prompt)
-        assert expected % self.size == 0 and expected <= len(prompt) - 1
-        if not bm.can_allocate(prompt):
-            before = self.snapshot()
-            with pytest.raises(NoFreeBlocksError):
-                bm.allocate(seq_id, prompt)
-            assert self.snapshot() == before and not bm.has_seq(seq_id)
-            return
-        cached = bm.allocate(seq_id, prompt)
-        assert cached == expected
-        self.next_id += 1
-        self.seqs[seq_id] = _Seq(prompt, 0)
-        # A hit serves only full blocks of committed tokens whose KV is exactly this prefix's.
-        for pos, slot in enumerate(bm.slot_ids(seq_id, 0, cached)):
-            assert self.kv.get(slot) == tuple(prompt[: pos + 1])
-        for end in range(self.size, cached + 1, self.size):
-            assert tuple(prompt[:end]) in self.committed_prefixes
-        self.write(seq_id, cached)
-        if prefill_done:  # the engine commits the prompt once its KV is computed
+        seq_id = self.admit(prompt)
+        if seq_id is not None and prefill_done:  # the engine commits a computed prompt
             self.commit_tokens(seq_id, len(prompt))
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data(), extra=TOKENS)
+    def probe_prefix_cache(self, data: st.DataObject, extra: int) -> None:
+        """Admit a committed token list again and drop it: every hit must serve exactly its KV."""
+        seq_id = self.admit(data.draw(st.sampled_from(self.prompts), label="base") + [extra])
+        if seq_id is not None:
+            self.bm.free(seq_id)
+            del self.seqs[seq_id]
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), new_tokens=st.lists(TOKENS, max_size=6))

@@ -105,8 +105,9 @@ def test_stop_string_spanning_tokens_is_cut_exactly(tiny_llama):
     free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     text = free[0].outputs[0].text
     stop = text[5:9]  # four characters that cross a token boundary somewhere in the text
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=stop),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=stop), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.find(stop)]
     assert len(out.token_ids) < len(free[0].outputs[0].token_ids)
@@ -117,13 +118,21 @@ def test_stop_token_ids_and_min_tokens(tiny_llama, reference):
     ref = reference[0]
     stop_id = ref[3]
     first = ref.index(stop_id)
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24,
-                                                  stop_token_ids=[stop_id]), use_tqdm=False)
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )
     comp = out[0].outputs[0]
     assert comp.token_ids == ref[: first + 1] and comp.finish_reason == "stop"
     # min_tokens forbids the stop token until enough tokens are out
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, min_tokens=first + 2,
-                                                  stop_token_ids=[stop_id]), use_tqdm=False)
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            temperature=0, max_tokens=24, min_tokens=first + 2, stop_token_ids=[stop_id]
+        ),
+        use_tqdm=False,
+    )
     comp = out[0].outputs[0]
     assert len(comp.token_ids) >= first + 2
     assert stop_id not in comp.token_ids[: first + 1]
@@ -164,8 +173,9 @@ def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_llama):
 
 def test_logprobs_match_log_softmax(tiny_llama):
     llm = LLM(tiny_llama, num_kv_blocks=64)
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert token in entry and len(entry) <= 4
@@ -203,11 +213,24 @@ def test_bad_requests_raise_and_harm_nobody(tiny_llama, prompt, params, match):
     assert engine.get_stats().num_free_blocks == 20
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
-    dict(n=0), dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(stop=[""]),
-    dict(stop_token_ids=[-3]), dict(logprobs=-1), dict(seed=-1), dict(temperature="hot"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(min_tokens=5, max_tokens=2),
+        dict(stop=[""]),
+        dict(stop_token_ids=[-3]),
+        dict(logprobs=-1),
+        dict(seed=-1),
+        dict(temperature="hot"),
+    ],
+)
 def test_sampling_params_validation_names_the_field(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
@@ -216,8 +239,9 @@ def test_sampling_params_validation_names_the_field(bad):
 
 def test_random_requests_with_aborts_finish_and_free_every_block(tiny_llama):
     rng = random.Random(0)
-    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=40, max_num_seqs=16,
-                                    max_num_batched_tokens=64))
+    engine = LLMEngine(
+        EngineConfig(model=tiny_llama, num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=64)
+    )
     tok = engine.tokenizer
     added, finished, aborted = 0, {}, set()
     while added < 200 or engine.has_unfinished_requests():

@@ -198,6 +198,9 @@ def test_zero_probability_draft_never_accepted_even_at_u_zero(monkeypatch):
     drafts = torch.zeros(s, 1, dtype=torch.long)
     out = rejection_sample(p.expand(s, 2, vocab), drafts, generator=gen)
     assert ((out[:, 0] == 1) | (out[:, 0] == 2)).all() and (out[:, 1] == -1).all()
+    # float32 uniforms are too coarse for small ratios (and can be exactly 0): draws are float64
+    uniforms, _ = rejection._draw(2, 3, vocab, gen, torch.device("cpu"))
+    assert uniforms.dtype == torch.float64 and uniforms.shape == (2, 3)
 
     def zero_uniforms(num_seqs, k, vocab, generator, device):
         return torch.zeros(num_seqs, k, dtype=torch.float64), torch.ones(num_seqs, vocab)

@@ -79,8 +79,10 @@ def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
 
 def test_seeded_sampling_with_speculation_reproduces_itself(tiny_llama):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
-    runs = [generate(LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM), params=params)
-            for _ in range(2)]
+    runs = [
+        generate(LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM), params=params)
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -95,12 +97,16 @@ def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
     assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
     text_ref = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = text_ref[10:13]
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == text_ref[: text_ref.find(stop)] and out.finish_reason == "stop"
     for max_tokens in (1, 2, 7):
-        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                      ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            PROMPTS[0],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert out[0].outputs[0].token_ids == ref[:max_tokens]
 
 
