@@ -1,0 +1,211 @@
+"""Token sampling: temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Everything is vectorised over the batch; Python loops run over generator groups only (one group per
+seeded row plus one for all unseeded rows), never over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters for N rows (built by the ModelRunner, usually via `from_params`).
+
+    `all_greedy` and `needs_sort` are host-side hints so sampling never reads the parameter tensors
+    back from the device; their defaults are the safe choice for a batch built by hand.
+    """
+
+    temperature: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor  # int64 [N]; 0 = off
+    top_p: torch.Tensor  # float32 [N]; 1 = off
+    min_p: torch.Tensor  # float32 [N]; 0 = off
+    generators: list[torch.Generator | None]  # per row; None = the sampler's shared generator
+    num_logprobs: int = 0  # max top-n logprobs requested in the batch (0 = none)
+    all_greedy: bool = False  # True: every temperature is 0, so sampling is a plain argmax
+    needs_sort: bool = True  # False: no row uses top-k or top-p, so no sort is needed
+
+    @classmethod
+    def from_params(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        generators: Sequence[torch.Generator | None] | None = None,
+        num_logprobs: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Validate host-side lists and build the batch with one small tensor per parameter.
+
+        Greedy rows drop their generator: they never draw, so a seeded greedy request's generator is
+        left untouched.
+        """
+        n = len(temperature)
+        gens = [None] * n if generators is None else list(generators)
+        for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} rows, temperature has {n}")
+        if len(gens) != n:
+            raise ValueError(f"generators has {len(gens)} rows, temperature has {n}")
+        _check_range("temperature", temperature, lambda t: t >= 0.0, ">= 0 (0 = greedy)")
+        _check_range("top_k", top_k, lambda k: k >= 0, ">= 0 (0 = off)")
+        _check_range("top_p", top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1] (1 = off)")
+        _check_range("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1] (0 = off)")
+        if num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be >= 0, got {num_logprobs}")
+        greedy = [t == 0.0 for t in temperature]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            generators=[None if g_row else gen for g_row, gen in zip(greedy, gens, strict=True)],
+            num_logprobs=num_logprobs,
+            all_greedy=all(greedy),
+            needs_sort=any(
+                not g_row and (k > 0 or p < 1.0)
+                for g_row, k, p in zip(greedy, top_k, top_p, strict=True)
+            ),
+        )
+
+
+def _check_range(
+    name: str, values: Sequence[float], ok: Callable[[float], bool], rule: str
+) -> None:
+    for i, value in enumerate(values):
+        if not ok(value):  # NaN fails every rule
+            raise ValueError(f"{name} must be {rule}, got {value} at row {i}")
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [N]
+    # float32 [N]: log-prob of the sampled token under the raw model distribution (log_softmax
+    # of the unprocessed logits, as vLLM reports it); None when no row asked for logprobs
+    logprobs: torch.Tensor | None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (values [N, n], ids [N, n])
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p, renormalised: float32 [N, V].
+
+    Greedy rows (temperature 0) become one-hot at the argmax, lowest id on ties. This is the
+    distribution the rejection sampler must see as p (and q) to keep speculation lossless.
+    Top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest prefix of
+    the sorted distribution whose mass reaches top_p.
+    """
+    if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
+        raise ValueError(
+            f"logits must be [N, V] with N = {batch.temperature.shape[0]} rows, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    logits = logits.float()
+    greedy = batch.temperature == 0
+    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return one_hot
+    temperature = torch.where(greedy, 1.0, batch.temperature)
+    # subtracting the max first keeps a tiny temperature from overflowing to inf (and NaN)
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature[:, None]
+    if batch.needs_sort:
+        scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+    probs = scaled.softmax(-1)
+    # min-p compares each prob to the max; that ratio survives the renormalisation above, so
+    # applying it last equals applying it to the top-k/top-p distribution
+    probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and then top-p set to -inf (one sort for both)."""
+    vocab = scaled.shape[-1]
+    ordered, order = scaled.sort(-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # the first token has 0 < top_p before it: always kept
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
+
+
+def draw_rows(
+    generators: Sequence[torch.Generator | None],
+    draw: Callable[[int, torch.Generator | None], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """Call `draw(m, generator)` once per distinct generator and stack the results into row order.
+
+    Rows that share a generator object draw together, in row order. A row with a generator of its
+    own always calls `draw(1, g)`, so its values do not depend on what else is in the batch.
+    """
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row, gen in enumerate(generators):
+        groups.setdefault(id(gen), (gen, []))[1].append(row)
+    if len(groups) == 1:
+        gen, rows = next(iter(groups.values()))
+        return draw(len(rows), gen)
+    pieces: list[tuple[torch.Tensor, ...] | None] = [None] * len(generators)
+    for gen, rows in groups.values():
+        drawn = draw(len(rows), gen)
+        for j, row in enumerate(rows):
+            pieces[row] = tuple(t[j] for t in drawn)
+    return tuple(torch.stack(column) for column in zip(*pieces, strict=True))
+
+
+def race(weights: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(w / E) with E ~ Exp(1) samples id i with probability w_i / sum(w).
+
+    Needs no normalisation and no host sync. Lanes with w <= 0 score -1 and can never win, even if
+    E is 0 or inf, so zero-probability lanes (vocabulary padding included) are never returned.
+    """
+    return torch.where(weights > 0, weights / exponentials, -1.0).argmax(-1)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Sample one id per row of probs [N, V] (weights, need not sum to 1) by an exponential race.
+
+    Each seeded row draws exactly V exponentials from its own generator; rows whose generator is
+    None draw together from `shared_generator`.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"generators has {len(generators)} rows, probs has {probs.shape[0]}")
+    vocab = probs.shape[-1]
+
+    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
+        return (torch.empty(m, vocab, device=probs.device).exponential_(generator=gen),)
+
+    rows = [shared_generator if g is None else g for g in generators]
+    (exponentials,) = draw_rows(rows, draw)
+    return race(probs, exponentials)
+
+
+class Sampler:
+    """Turns logits [N, V] into one token per row; owns the generator for unseeded rows."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy:
+            token_ids = logits.argmax(-1)  # no randomness consumed
+        else:
+            probs = processed_probs(logits, batch)
+            token_ids = sample_from_probs(probs, batch.generators, self.generator)
+        if batch.num_logprobs == 0:
+            return SamplerOutput(token_ids, None, None)
+        logprobs = logits.float().log_softmax(-1)
+        top = logprobs.topk(min(batch.num_logprobs, logprobs.shape[-1]), dim=-1)
+        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        return SamplerOutput(token_ids, sampled, (top.values, top.indices))

@@ -1,0 +1,6 @@
+"""Speculative decoding: draft proposers and the lossless rejection sampler."""
+
+from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.rejection import rejection_sample
+
+__all__ = ["propose_ngram", "rejection_sample"]
