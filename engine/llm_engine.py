@@ -38,9 +38,12 @@ class LLMEngine:
         self.vocab_size = int(target.config.vocab_size)
         param = next(target.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_model_len = config.max_model_len or int(
-            getattr(target.config, "max_position_embeddings", 4096)
-        )
+        model_max = target.model.max_model_len
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}"
+            )
+        self.max_model_len = config.max_model_len or model_max
         self.eos_token_ids = _eos_token_ids(target.config, self.tokenizer)
 
         spec = config.speculative_config

@@ -283,6 +283,9 @@ def test_bad_options_raise(tmp_path):
         load_model(str(tmp_path), dtype="int8", device="cpu", load_format="dummy")
     with pytest.raises(ValueError, match="device"):
         load_model(str(tmp_path), device="tpu", load_format="dummy")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model(str(tmp_path), device="cuda", load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
         load_model(str(tmp_path), device="cpu", load_format="pt")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

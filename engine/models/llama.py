@@ -1,0 +1,218 @@
+"""Llama-family causal LM (llama, mistral, qwen2, qwen3) over one packed batch of tokens.
+
+All sequences of a step are concatenated into T tokens; attention separates them through the
+paged KV cache and ``AttentionMetadata``. q/k/v and gate/up are fused into single projections;
+``load_weights`` maps HF checkpoint names onto them.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.models.attention import AttentionMetadata, PagedAttention
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+# (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
+_STACKED = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """config.head_dim when set (qwen3, mistral-nemo), else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The attention window if any layer uses one (mistral; qwen2/3 with use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # qwen2 always has q/k/v biases and no o_proj bias; the others follow attention_bias.
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        # qwen3 normalises each head of q and k before rope.
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {config.hidden_act!r}")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model the ModelRunner drives: ``forward`` -> hidden states, ``compute_logits`` -> logits.
+
+    Contexts must stay within ``max_model_len``: sliding-window attention is not implemented, so
+    a model with a window only supports contexts that fit inside it (where it changes nothing).
+    """
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        window = sliding_window_of(config)
+        max_len = config.max_position_embeddings
+        self.max_model_len = max_len if window is None else min(max_len, window)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions int64 [T] -> hidden states [T, hidden] after the final norm."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.
+
+        Raises ValueError for an unknown name, a shape mismatch or a missing weight.
+        """
+        params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as embed
+        loaded: dict[str, set[int]] = {name: set() for name in params}
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints store rope frequencies; we compute our own
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name, shard = self._param_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint weight {hf_name!r} has no place in the model")
+            sizes = self._shard_sizes(name)
+            target = params[name].narrow(0, sum(sizes[:shard]), sizes[shard])
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded[name].add(shard)
+        missing = [n for n in params if len(loaded[n]) != len(self._shard_sizes(n))]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing}")
+
+    @staticmethod
+    def _param_name(hf_name: str) -> tuple[str, int]:
+        for fused, part, shard in _STACKED:
+            if f".{part}." in hf_name:
+                return hf_name.replace(f".{part}.", f".{fused}."), shard
+        return hf_name, 0
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        """Row counts of the HF weights stacked into parameter ``name`` (one entry if unfused)."""
+        if ".qkv_proj." in name:
+            attn = self.model.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        if ".gate_up_proj." in name:
+            return [self.config.intermediate_size] * 2
+        return [self.get_parameter(name).shape[0]]

@@ -1,0 +1,216 @@
+"""Our packed, paged forward against HF's full-sequence forward on tiny random models."""
+
+import pytest
+import torch
+from paged_harness import PagedHarness
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from engine.model_loader import load_model, model_kv_shape
+from engine.models import LlamaForCausalLM, get_model_class
+
+VOCAB = 256
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "llama-tied-llama3-rope": lambda: LlamaConfig(
+        **COMMON, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE
+    ),
+    "llama-linear-rope-bias": lambda: LlamaConfig(
+        **COMMON,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0},
+    ),
+    "llama-yarn-rope": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=4096),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+}
+
+# Chunks per step: (sequence, number of new tokens). Sequences 1 and 3 prefill in chunks across
+# steps, sequence 4 arrives late, and everyone else decodes one token per step meanwhile.
+SCHEDULE = [
+    [(0, 7), (1, 5), (2, 1), (3, 8)],
+    [(0, 1), (1, 9), (2, 1), (3, 8), (4, 11)],
+    [(0, 1), (1, 1), (2, 1), (3, 3), (4, 1)],
+    [(0, 1), (1, 1), (3, 1), (4, 1)],
+    [(1, 1), (3, 1), (4, 1)],
+]
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights that make every parameter matter: O(1) activations, norms away from 1, biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.2 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[1] ** 0.5)
+
+
+def save_tiny(config, path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    randomize_(hf, seed)
+    hf.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return hf
+
+
+def run_schedule(
+    model, schedule, seed: int = 0, backend: str = "torch"
+) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """Feed random tokens per the schedule; returns each sequence's tokens and our logits."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = 1 + max(seq for step in schedule for seq, _ in step)
+    total = [sum(n for step in schedule for s, n in step if s == seq) for seq in range(num_seqs)]
+    tokens = [torch.randint(VOCAB, (n,), generator=gen).tolist() for n in total]
+    harness = PagedHarness(model, num_seqs, max(total), block_size=4, backend=backend, seed=seed)
+    fed = [0] * num_seqs
+    logits: list[list[torch.Tensor]] = [[] for _ in range(num_seqs)]
+    for step in schedule:
+        chunks = [(s, tokens[s][fed[s] : fed[s] + n]) for s, n in step]
+        for (s, n), out in zip(step, harness.step(chunks), strict=True):
+            fed[s] += n
+            logits[s].append(out)
+    return {s: (tokens[s], torch.cat(logits[s])) for s in range(num_seqs)}
+
+
+def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_paged_logits_match_hf(name, tmp_path):
+    config = CONFIGS[name]()
+    hf = save_tiny(config, tmp_path)
+    ours = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    for seq, (tokens, logits) in run_schedule(ours, SCHEDULE).items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0].float()
+        assert logits.dtype == torch.float32 and logits.shape == ref.shape
+        assert max_rel_err(logits, ref) < 1e-4, f"sequence {seq}"
+
+
+@pytest.mark.parametrize("name", ["llama-tied-llama3-rope", "qwen3"])
+def test_triton_backend_matches_hf(name, tmp_path):
+    # On CPU the Triton kernels run in Triton's interpreter: a short schedule keeps this quick.
+    hf = save_tiny(CONFIGS[name](), tmp_path)
+    ours = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    for seq, (tokens, logits) in run_schedule(ours, SCHEDULE[:3], backend="triton").items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0]
+        assert max_rel_err(logits, ref) < 1e-4, f"sequence {seq}"
+
+
+def test_sharded_checkpoint_matches_single_file(tmp_path):
+    config = CONFIGS["qwen2"]()
+    save_tiny(config, tmp_path / "single", seed=3)
+    save_tiny(config, tmp_path / "sharded", seed=3, max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    single = load_model(str(tmp_path / "single"), dtype="float32", device="cpu").model
+    sharded = load_model(str(tmp_path / "sharded"), dtype="float32", device="cpu").model
+    for (name, a), (_, b) in zip(
+        single.state_dict().items(), sharded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_fused_projections_stack_hf_weights(tmp_path):
+    hf = save_tiny(CONFIGS["qwen2"](), tmp_path, seed=5)
+    ours = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    hf_attn, hf_mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    attn, mlp = ours.model.layers[1].self_attn, ours.model.layers[1].mlp
+    qkv = [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj]
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([m.weight for m in qkv]))
+    assert torch.equal(attn.qkv_proj.bias, torch.cat([m.bias for m in qkv]))
+    assert attn.o_proj.bias is None
+    assert torch.equal(
+        mlp.gate_up_proj.weight, torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight])
+    )
+
+
+def test_tied_head_shares_embedding(tmp_path):
+    save_tiny(CONFIGS["llama-tied-llama3-rope"](), tmp_path)
+    model = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_bfloat16_logits_are_float32_and_close(tmp_path):
+    config = CONFIGS["qwen3"]()
+    save_tiny(config, tmp_path)
+    fp32 = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
+    assert bf16.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert bf16.model.rotary_emb.inv_freq.dtype == torch.float32
+    schedule = SCHEDULE[:2]
+    ref, low = run_schedule(fp32, schedule), run_schedule(bf16, schedule)
+    for seq in ref:
+        assert low[seq][1].dtype == torch.float32
+        assert max_rel_err(low[seq][1], ref[seq][1]) < 5e-2
+
+
+def test_kv_shape_and_max_model_len():
+    config = CONFIGS["qwen3"]()
+    assert model_kv_shape(config) == (2, 2, 32)
+    assert model_kv_shape(CONFIGS["llama"]()) == (2, 2, 16)
+    mistral = MistralConfig(**{**COMMON, "max_position_embeddings": 512}, sliding_window=64)
+    assert LlamaForCausalLM(mistral).max_model_len == 64
+    assert LlamaForCausalLM(CONFIGS["mistral"]()).max_model_len == 128
+    assert LlamaForCausalLM(CONFIGS["qwen2"]()).max_model_len == 128
+
+
+def test_unsupported_configs_raise():
+    with pytest.raises(ValueError, match="'gpt2'.*supported"):
+        get_model_class(GPT2Config())
+    dynamic = LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        LlamaForCausalLM(dynamic)
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaForCausalLM(LlamaConfig(**COMMON, hidden_act="gelu"))
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied-llama3-rope"])
+def test_model_is_built_on_the_context_device(name):
+    # load_model builds under torch.device(device): nothing may land on the CPU regardless.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(CONFIGS[name]())
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.device.type for t in tensors} == {"meta"}
