@@ -105,20 +105,28 @@ def test_reference_block_size_32_and_int64_indices(gen):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, gen):
+@pytest.mark.parametrize(
+    ("slot_dtype", "dtype"), [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)]
+)
+def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, gen):
     num_blocks, block_size, heads, dim = 6, 16, 3, 8
     num_tokens = 40
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[torch.randperm(num_tokens, generator=gen)[:7]] = -1
     # key/value as strided views of a fused projection, the way a model produces them.
-    qkv = torch.randn(num_tokens, 3 * heads + 1, dim, generator=gen)
+    qkv = torch.randn(num_tokens, 3 * heads + 1, dim, generator=gen).to(dtype)
     key, value = qkv[:, :heads], qkv[:, heads + 1 : 2 * heads + 1]
-    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    kernels.write_kv_cache(key, value, k_cache, v_cache, slots.to(slot_dtype), backend=backend)
+    # Triton's kernels are compiled for the GPU where there is one, interpreted otherwise.
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    caches = (k_cache.to(device), v_cache.to(device))
+    kernels.write_kv_cache(
+        key.to(device), value.to(device), *caches, slots.to(device, slot_dtype), backend=backend
+    )
+    k_cache, v_cache = (c.cpu() for c in caches)
 
     keep = slots >= 0
     expect_k = k_before.view(-1, heads, dim).clone()
@@ -148,6 +156,7 @@ def _args(**changes):
         ({"cu_query_lens": torch.tensor([0, 1, 4], dtype=torch.int32)}, "cu_query_lens"),
         ({"seq_lens": torch.tensor([5, 90], dtype=torch.int32)}, "seq_lens"),
         ({"block_tables": torch.zeros(2, 3)}, "block_tables"),
+        ({"block_tables": torch.full((2, 3), 99, dtype=torch.int32)}, "block_tables"),
         ({"scale": 0.0}, "scale"),
         ({"out": torch.empty(3, 4, 8, dtype=torch.float64)}, "out"),
     ],
