@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="pagedspec",
     version="0.1.0",
-    description="A paged-KV LLM serving engine with Triton kernels and lossless speculative decoding",
+    description="Paged-KV LLM serving with Triton kernels and lossless speculative decoding",
     python_requires=">=3.10",
     packages=find_packages(include=["engine*", "kernels*", "scheduler*", "memory*"]),
     install_requires=[
