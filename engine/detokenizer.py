@@ -23,10 +23,17 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
         self.token_ids.append(token_id)
+        return self._emit(hold_partial=True)
+
+    def flush(self) -> str:
+        """At the end of the stream: the text held back for an unfinished character."""
+        return self._emit(hold_partial=False)
+
+    def _emit(self, hold_partial: bool) -> str:
         decode = self.tokenizer.decode
         prefix_text = decode(self.token_ids[: self.read_offset], skip_special_tokens=True)
         full_text = decode(self.token_ids, skip_special_tokens=True)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if len(full_text) <= len(prefix_text) or (hold_partial and full_text.endswith("\ufffd")):
             return ""
         # What was just emitted becomes the context for the next token.
         del self.token_ids[: self.read_offset]

@@ -140,6 +140,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        self._check_params(params)
         self._check_fits(token_ids, params)
         request = Request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params
@@ -162,7 +163,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs or an abort's final output has not been returned yet."""
+        return bool(self.requests or self._aborted)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
@@ -259,6 +261,14 @@ class LLMEngine:
                 f"({self.max_model_len})"
             )
         return token_ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the vocabulary."""
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Reject what could never run: one sequence needing more KV blocks than exist."""
@@ -362,8 +372,9 @@ class LLMEngine:
             generators=row_gens,
             device=logits.device,
         )
-        has_drafts = any(d for _, _, d in batch)
-        if not has_drafts:
+        # Under speculation every row goes through the rejection sampler, drafts or not: a
+        # seeded row then draws the same randomness each step whatever else is in the batch.
+        if self.proposer is None:
             out = self.sampler(logits, sbatch)
             tokens = [[t] for t in out.token_ids.tolist()]
         else:
@@ -453,6 +464,8 @@ class LLMEngine:
             if self._check_stop(sample, token, len(delta)):
                 break
         if sample.finished:
+            if sample.detokenizer and not isinstance(sample.stop_reason, str):
+                sample.text += sample.detokenizer.flush()  # text held for an unfinished char
             self._retire(sample)
             return
         # Rollback: rejected drafts' slots (and unused lookahead) leave the block table.

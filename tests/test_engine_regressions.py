@@ -1,0 +1,90 @@
+"""Regression tests for bugs found in the review of the engine loop, scheduler and speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+REPETITIVE = "one two three one two three one two three one two"
+
+
+def test_seeded_request_under_speculation_does_not_depend_on_batch_composition(tiny_llama):
+    # A seeded request's tokens must not change because another request in the batch has
+    # drafts (FIELD-NOTES: "seeded outputs changed with batch composition").
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    alone = LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM)
+    expected = alone.generate("x", seeded, use_tqdm=False)[0].outputs[0].token_ids
+
+    busy = LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = busy.generate(["x", REPETITIVE], [seeded, greedy], use_tqdm=False)
+    assert busy.llm_engine.get_stats().num_draft_tokens > 0  # the neighbour did speculate
+    assert outs[0].outputs[0].token_ids == expected
+
+
+def _run_beside_a_good_request(tiny_llama, bad: SamplingParams, field: str) -> None:
+    """A bad request is either rejected with a ValueError naming `field`, or it runs; either
+    way the step loop must not crash and the good request must finish."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=32))
+    engine.add_request("ok", "one two", SamplingParams(temperature=0, max_tokens=4))
+    try:
+        engine.add_request("bad", "one", bad)
+    except ValueError as err:
+        assert field in str(err)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert len(done["ok"].outputs[0].token_ids) == 4
+    assert engine.get_stats().num_free_blocks == 32
+
+
+def test_out_of_vocab_stop_token_id_with_min_tokens_does_not_crash_the_step(tiny_llama):
+    vocab = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=8)).vocab_size
+    bad = SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=[vocab + 88])
+    _run_beside_a_good_request(tiny_llama, bad, "stop_token_ids")
+
+
+def test_logprobs_above_vocab_size_do_not_crash_the_step(tiny_llama):
+    vocab = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=8)).vocab_size
+    bad = SamplingParams(max_tokens=2, logprobs=vocab + 1)
+    _run_beside_a_good_request(tiny_llama, bad, "logprobs")
+
+
+def test_finished_text_keeps_text_held_back_for_an_incomplete_character(tiny_llama):
+    # A token like " na\xc3" (byte-level BPE: text + the lead byte of a multi-byte character)
+    # is held back by the incremental detokenizer. When the request finishes there, the held
+    # text (" na" included) must not vanish: final text == tokenizer.decode(output tokens).
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=32))
+    tok = engine.tokenizer
+    token = next(
+        t
+        for t in range(3, engine.vocab_size)
+        if (s := tok.decode([t])).endswith("\ufffd") and s.rstrip("\ufffd").strip()
+    )
+    forward = engine.runner.forward
+
+    def forced(spans):  # the model always prefers `token`
+        logits = forward(spans).clone()
+        logits[:, token] += 1e4
+        return logits
+
+    engine.runner.forward = forced
+    engine.add_request("r", "one two", SamplingParams(temperature=0, max_tokens=2))
+    final = None
+    while engine.has_unfinished_requests():
+        final = engine.step()[-1]
+    comp = final.outputs[0]
+    assert comp.token_ids == [token, token]
+    assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(autouse=True)
+def _fast_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared: stay light
+    yield
+    torch.set_num_threads(threads)
