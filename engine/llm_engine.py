@@ -16,9 +16,9 @@ from engine.model_loader import load_model, model_kv_shape
 from engine.model_runner import ModelRunner, Span
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request, SampleState
-from engine.sampler import Sampler, SamplingBatch, processed_probs
+from engine.sampler import Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import rejection_sample
+from engine.spec_decode import verify_deterministic_drafts
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer, Proposer
 from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig, Sequence
@@ -287,14 +287,10 @@ class LLMEngine:
 
     def _add_sample(self, request: Request, seq: Sequence, index: int) -> SampleState:
         params = request.params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         sample = SampleState(
             index,
             seq,
             params,
-            generator,
             # A config-only dummy model has no tokenizer: token ids only, no text.
             None
             if self.tokenizer is None
@@ -350,19 +346,20 @@ class LLMEngine:
 
     # --- sampling and commit --------------------------------------------------------------------
     def _sample(self, batch: list[tuple[SampleState, torch.Tensor, list[int]]]):
-        """Sample one token per plain row; verify drafts with the rejection sampler.
+        """One target sample per row; rows of a verification span then accept or reject drafts.
 
         Returns (tokens per sample, logprob dicts per sample or None).
         """
         if not batch:
             return [], []
         all_rows, row_params, row_gens, starts = [], [], [], []
+        num_rows = 0
         for sample, rows, _ in batch:
-            starts.append(sum(r.shape[0] for r in all_rows))
+            starts.append(num_rows)
+            num_rows += rows.shape[0]
             all_rows.append(self._mask_min_tokens(sample, rows))
-            params = sample.params
-            row_params.extend([params] * rows.shape[0])
-            row_gens.extend([sample.generator] * rows.shape[0])
+            row_params.extend([sample.params] * rows.shape[0])
+            row_gens.extend(self._position_generators(sample, rows.shape[0]))
         logits = torch.cat(all_rows)
         sbatch = SamplingBatch.from_params(
             temperature=[p.temperature for p in row_params],
@@ -372,54 +369,37 @@ class LLMEngine:
             generators=row_gens,
             device=logits.device,
         )
-        # Under speculation every row goes through the rejection sampler, drafts or not: a
-        # seeded row then draws the same randomness each step whatever else is in the batch.
-        if self.proposer is None:
-            out = self.sampler(logits, sbatch)
-            tokens = [[t] for t in out.token_ids.tolist()]
-        else:
-            tokens = self._verify(logits, sbatch, batch, starts)
+        samples = self.sampler(logits, sbatch).token_ids.tolist()
+        drafts = [d for _, _, d in batch]
+        tokens = verify_deterministic_drafts(samples, drafts, starts)
+        for d, emitted in zip(drafts, tokens, strict=True):
+            if d:
+                accepted = len(emitted) - 1
+                self._num_draft_tokens += len(d)
+                self._num_accepted_tokens += accepted
+                self._num_verifications += 1
+                for j in range(accepted):
+                    self._accepted_by_position[j] += 1
         logprobs = [
             self._logprobs(s, logits[st : st + len(t)], t)
             for (s, _, _), st, t in zip(batch, starts, tokens, strict=True)
         ]
         return tokens, logprobs
 
-    def _verify(self, logits, sbatch, batch, starts) -> list[list[int]]:
-        probs = processed_probs(logits, sbatch)
-        # K is fixed (not this batch's longest draft) so a seeded row draws the same number of
-        # uniforms whatever else is in the batch.
-        k = self.num_lookahead
-        num_drafts = [len(d) for _, _, d in batch]
-        index = torch.tensor(
-            [
-                [st + min(j, n) for j in range(k + 1)]
-                for st, n in zip(starts, num_drafts, strict=True)
-            ],
-            device=probs.device,
-        )
-        target_probs = probs[index]  # [S, k+1, V]; rows past a sequence's drafts repeat its last
-        draft_ids = torch.tensor([d + [0] * (k - len(d)) for _, _, d in batch], device=probs.device)
-        out = rejection_sample(
-            target_probs,
-            draft_ids,
-            num_draft_tokens=torch.tensor(num_drafts, device=probs.device),
-            generator=[
-                self.sampler.generator if s.generator is None else s.generator for s, _, _ in batch
-            ],
-        ).tolist()
-        tokens = []
-        for row, n in zip(out, num_drafts, strict=True):
-            emitted = [t for t in row if t >= 0]
-            accepted = len(emitted) - 1
-            if n:
-                self._num_draft_tokens += n
-                self._num_accepted_tokens += accepted
-                self._num_verifications += 1
-                for j in range(accepted):
-                    self._accepted_by_position[j] += 1
-            tokens.append(emitted)
-        return tokens
+    def _position_generators(self, sample: SampleState, num_rows: int):
+        """A seeded sample draws output position i from a generator seeded by (seed, sample
+        index, i) alone, so its tokens do not depend on the batch, on preemption, or on
+        whether speculation drafted them. Unseeded rows use the sampler's shared generator."""
+        seed = sample.params.seed
+        if seed is None:
+            return [None] * num_rows
+        first = sample.seq.num_output_tokens
+        return [
+            torch.Generator(device=self.device).manual_seed(
+                hash((seed, sample.index, first + j)) & 0x7FFF_FFFF_FFFF_FFFF
+            )
+            for j in range(num_rows)
+        ]
 
     def _mask_min_tokens(self, sample: SampleState, rows: torch.Tensor) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (row j of a

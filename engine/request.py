@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -19,7 +17,6 @@ class SampleState:
     index: int
     seq: Sequence
     params: SamplingParams
-    generator: torch.Generator | None  # None: the engine's shared generator
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     finish_reason: str | None = None

@@ -147,3 +147,15 @@ def test_rollback_touches_no_kv_memory(tiny_llama):
                 assert len(table) == math.ceil(seq.num_computed_tokens / bm.block_size)
                 assert all(bm.ref_count(b) >= 1 for b in table)
     assert calls and engine.get_stats().num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_the_same_with_or_without_speculation_in_any_batch(tiny_llama):
+    """Per-position seeded randomness: speculation and batch-mates change nothing."""
+    seeded = SamplingParams(temperature=0.3, seed=3, max_tokens=30, ignore_eos=True)
+    noise = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    alone = generate(LLM(tiny_llama, num_kv_blocks=128), [PROMPTS[0]], seeded)[0]
+    spec = LLM(tiny_llama, num_kv_blocks=128, speculative_config=NGRAM)
+    assert generate(spec, [PROMPTS[0]], seeded)[0] == alone
+    busy = spec.generate(PROMPTS, [noise, noise, seeded, noise, noise], use_tqdm=False)
+    assert busy[2].outputs[0].token_ids == generate(spec, [PROMPTS[2]], seeded)[0]
+    assert spec.llm_engine.get_stats().num_accepted_tokens > 0

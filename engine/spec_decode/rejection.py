@@ -139,3 +139,30 @@ def _draw(
     if isinstance(generator, list):
         return draw_rows(generator, draw)
     return draw(num_seqs, generator)
+
+
+def verify_deterministic_drafts(
+    samples: Sequence[int], drafts: Sequence[Sequence[int]], starts: Sequence[int]
+) -> list[list[int]]:
+    """Rejection sampling for deterministic drafts (q one-hot), given one target sample per row.
+
+    ``samples[starts[s] + j]`` is a sample of p at draft position j of sequence s
+    (j = len(drafts[s]) is the bonus position). Draft x is accepted iff the sample equals x,
+    which happens with probability p(x) = min(1, p(x)/q(x)); at the first mismatch the sample is
+    emitted: it is p conditioned on != x, i.e. norm(max(0, p − q)). So this is
+    ``rejection_sample`` with ``draft_probs=None``, specialised. Its use: when each output
+    position draws its sample from randomness of its own (a seeded request's per-position
+    generator), the emitted tokens equal those of plain token-by-token sampling exactly,
+    whatever was drafted or batched alongside.
+    """
+    out = []
+    for draft, start in zip(drafts, starts, strict=True):
+        emitted = []
+        for j, x in enumerate(draft):
+            emitted.append(samples[start + j])
+            if emitted[-1] != x:
+                break
+        else:
+            emitted.append(samples[start + len(draft)])
+        out.append(emitted)
+    return out
