@@ -1,0 +1,182 @@
+"""HF transformers peers, run on the same workload and the same weights as pagedspec.
+
+- ``hf-static``: ``model.generate`` over static, left-padded batches of ``batch_size`` requests
+  taken in order. A batch runs until its longest requested output (``min_new_tokens`` equal to
+  ``max_new_tokens``, so EOS cannot end it early); only each request's own requested tokens count
+  as useful output.
+- ``hf-batch``: transformers' continuous batching (the paged manager behind
+  ``model.generate_batch``), at most ``batch_size`` requests per step and the same token budget
+  per step as pagedspec. The manager is driven directly because ``generate_batch`` takes one
+  ``max_new_tokens`` for all requests and the workload gives each request its own length.
+
+Both record when every token came out, so TTFT and TPOT are measured the same way as for
+pagedspec: from the moment the whole workload was submitted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+PEERS = ("hf-static", "hf-batch")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Seconds after submission at which the first and the last output token came out."""
+
+    first_token_s: float
+    last_token_s: float
+    num_output_tokens: int
+
+
+def load_hf_model(
+    path: str | None, config, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> AutoModelForCausalLM:
+    """The HF model for the peers: ``path``'s weights (a HF directory or a .gguf file), or
+    (``path`` None) random weights built from ``config`` on ``device`` — with ignore_eos,
+    throughput does not depend on their values."""
+    if path is not None and path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        model = model.to(device)
+    elif path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+class _StepClock(LogitsProcessor):
+    """Records the time each generation step's logits come out (one call per new token)."""
+
+    def __init__(self, device: torch.device, start: float):
+        self.device, self.start, self.times = device, start, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter() - self.start)
+        return scores
+
+
+def _pad_id(model) -> int:
+    for value in (model.generation_config.pad_token_id, model.config.pad_token_id):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+    """Static batches of ``batch_size`` in request order, each run to its longest output."""
+    device = model.device
+    pad = _pad_id(model)
+    timings: list[RequestTiming] = []
+    start = time.perf_counter()
+    for lo in range(0, len(requests), batch_size):
+        group = requests[lo : lo + batch_size]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, r in enumerate(group):
+            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
+        longest = max(r.output_len for r in group)
+        clock = _StepClock(device, start)
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=GenerationConfig(
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=model.generation_config.eos_token_id,
+            ),
+            logits_processor=[clock],
+        )
+        if len(clock.times) != longest:
+            raise RuntimeError(f"hf-static made {len(clock.times)} steps, expected {longest}")
+        timings.extend(
+            RequestTiming(clock.times[0], clock.times[r.output_len - 1], r.output_len)
+            for r in group
+        )
+    return timings
+
+
+@torch.inference_mode()
+def run_hf_batch(
+    model, requests: list[BenchRequest], batch_size: int, max_batch_tokens: int
+) -> list[RequestTiming]:
+    """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
+    longest = max(len(r.prompt_ids) + r.output_len for r in requests)
+    page = 256
+    cb_config = ContinuousBatchingConfig(
+        page_size=page,
+        # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
+        num_blocks=batch_size * (math.ceil(longest / page) + 1),
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=batch_size,
+    )
+    gen_config = GenerationConfig(
+        max_new_tokens=max(r.output_len for r in requests),
+        do_sample=False,
+        eos_token_id=-1,  # no EOS: every request makes exactly its output_len tokens
+        pad_token_id=_pad_id(model),
+    )
+    results = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30
+    ) as manager:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            manager.add_request(
+                r.prompt_ids,
+                request_id=f"r{i}",
+                max_new_tokens=r.output_len,
+                eos_token_id=-1,
+                record_timestamps=True,
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+    timings = []
+    for i, r in enumerate(requests):
+        result = results[f"r{i}"]
+        if result.error is not None:
+            raise RuntimeError(f"hf-batch request failed: {result.error}")
+        stamps = result.timestamps or []
+        if len(result.generated_tokens) != r.output_len or len(stamps) != r.output_len:
+            raise RuntimeError(
+                f"hf-batch made {len(result.generated_tokens)} tokens, expected {r.output_len}"
+            )
+        timings.append(RequestTiming(stamps[0] - start, stamps[-1] - start, r.output_len))
+    return timings
+
+
+def run_peer(
+    name: str, model, requests: list[BenchRequest], batch_size: int, max_batch_tokens: int
+) -> list[RequestTiming]:
+    if name == "hf-static":
+        return run_hf_static(model, requests, batch_size)
+    if name == "hf-batch":
+        return run_hf_batch(model, requests, batch_size, max_batch_tokens)
+    raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
