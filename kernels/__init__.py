@@ -12,11 +12,12 @@ from typing import Literal
 import torch
 
 from kernels import reference
+from kernels.checks import check_paged_attention_args
 
 Backend = Literal["auto", "torch", "triton", "xformers"]
 _BACKENDS = ("auto", "torch", "triton", "xformers")
 
-__all__ = ["Backend", "paged_attention", "write_kv_cache"]
+__all__ = ["Backend", "paged_attention", "plan_paged_attention", "write_kv_cache"]
 
 
 def _resolve(backend: str, device: torch.device) -> str:
@@ -49,6 +50,24 @@ def write_kv_cache(
     triton_write(key, value, k_cache, v_cache, slot_mapping)
 
 
+def plan_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    backend: Backend = "auto",
+) -> reference.AttentionPlan | None:
+    """Per-step work that every layer's paged_attention call would repeat (the torch backend's
+    gather plan); None for backends that need none. Pass the result as ``plan=``."""
+    if _resolve(backend, query.device) != "torch":
+        return None
+    check_paged_attention_args(
+        query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None
+    )
+    return reference.plan_paged_attention(query, k_cache, block_tables, cu_query_lens, seq_lens)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -59,6 +78,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
+    plan: reference.AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query spans [T, Hq, D] over paged K/V; returns out [T, Hq, D].
 
@@ -70,7 +90,7 @@ def paged_attention(
     chosen = _resolve(backend, query.device)
     args = (query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out)
     if chosen == "torch":
-        return reference.paged_attention(*args)
+        return reference.paged_attention(*args, plan=plan)
     if chosen == "triton":
         from kernels.triton_attention import paged_attention as triton_attention
 

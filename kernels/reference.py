@@ -15,6 +15,8 @@ the gather, the rest SDPA. Chunks of 4 MiB beat 1-2 MiB (more per-chunk overhead
 (page faults, cache misses) in that measurement.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -88,31 +90,43 @@ def _chunk_bounds(kv_sorted: list[int], bytes_per_pos: int, budget: int) -> list
     return bounds
 
 
-def paged_attention(
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk's gather indices and masks: the same for every layer of a step."""
+
+    flat_blocks: torch.Tensor  # [c * nb] block ids (padding entries 0)
+    stale: torch.Tensor  # gathered rows past each sequence's context, to zero
+    starts: torch.Tensor  # [c] first token of each span
+    mask: torch.Tensor  # [c, 1, rows, L] bool: which keys each query row sees
+    tok: torch.Tensor | None  # [c, max_q] token of each padded row (None: decode, use starts)
+    q_valid: torch.Tensor | None  # [c, max_q] real (not padding) rows
+    max_q: int
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything paged_attention derives from the step's metadata, computed once per step and
+    reused by every layer (all layers share block tables and spans): no per-layer host syncs."""
+
+    chunks: list[_Chunk]
+    num_tokens: int
+    group: int
+
+
+def plan_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of every query span over its sequence's paged K/V; returns out [T, Hq, D].
-
-    Span i (query[cu_query_lens[i]:cu_query_lens[i+1]]) holds the last q_len_i of the seq_lens[i]
-    tokens whose K/V are in the cache; its token j sits at seq_lens[i] - q_len_i + j.
-    """
-    check_paged_attention_args(
-        query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
-    )
-    num_tokens = query.shape[0]
+) -> AttentionPlan:
+    """Validate the spans and build the gather plan for caches shaped like ``k_cache``."""
+    num_tokens, num_heads = query.shape[:2]
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    if out is None:
-        out = torch.empty_like(query)
+    group = num_heads // num_kv_heads
     if num_tokens == 0:
-        return out
+        return AttentionPlan([], 0, group)
     if num_seqs == 0:
         raise ValueError(f"seq_lens must name at least one sequence for num_tokens={num_tokens}")
     cu, q_lens, kv_lens = _host_spans(
@@ -137,16 +151,82 @@ def paged_attention(
             f"got {lowest}..{highest}"
         )
     kv_pos = torch.arange(nb * block_size, device=device)
-
     bytes_per_pos = 2 * num_kv_heads * head_dim * k_cache.element_size()
     budget = _CUDA_CHUNK_BYTES if device.type == "cuda" else _CPU_CHUNK_BYTES
+    chunks = []
     for lo, hi in _chunk_bounds(kv_sorted, bytes_per_pos, budget):
         chunk_blocks = -(-kv_sorted[lo] // block_size)
-        _attend_chunk(
-            query, k_cache, v_cache, out, scale, blocks[lo:hi, :chunk_blocks],
-            kv[lo:hi], ql[lo:hi], starts[lo:hi], kv_pos[: chunk_blocks * block_size],
-            max(q_lens[i] for i in order[lo:hi]),
-        )  # fmt: skip
+        max_q = max(q_lens[i] for i in order[lo:hi])
+        chunks.append(
+            _plan_chunk(
+                blocks[lo:hi, :chunk_blocks],
+                kv[lo:hi],
+                ql[lo:hi],
+                starts[lo:hi],
+                kv_pos[: chunk_blocks * block_size],
+                max_q,
+                group,
+            )  # fmt: skip
+        )
+    return AttentionPlan(chunks, num_tokens, group)
+
+
+def _plan_chunk(
+    blocks: torch.Tensor,
+    kv: torch.Tensor,
+    ql: torch.Tensor,
+    starts: torch.Tensor,
+    kv_pos: torch.Tensor,
+    max_q: int,
+    group: int,
+) -> _Chunk:
+    """blocks [c, nb] (padding entries already 0), context lengths kv, span lengths ql (all >= 1),
+    first tokens starts [c]; kv_pos = arange(nb * B)."""
+    # Slots past seq_len hold stale or uninitialised values (even NaN), and a masked score does
+    # not cancel a NaN, so they are zeroed; sorting keeps their number small.
+    stale = (kv_pos >= kv[:, None]).view(-1).nonzero().squeeze(1)
+    if max_q == 1:
+        # Decode: one token per sequence, the last one, which sees every cached key.
+        mask = (kv_pos < kv[:, None])[:, None, None, :]
+        return _Chunk(blocks.reshape(-1), stale, starts, mask, None, None, 1)
+    # Pad the spans to [c, max_q] tokens (padding rows read token 0 and are dropped at the end).
+    q_idx = torch.arange(max_q, device=kv.device)
+    q_valid = q_idx < ql[:, None]
+    tok = (starts[:, None] + q_idx).masked_fill(~q_valid, 0)
+    # Token j sits at kv_len - q_len + j and sees keys up to there; padding rows see every key.
+    q_pos = torch.minimum(kv[:, None] - ql[:, None] + q_idx, kv[:, None] - 1)
+    mask = kv_pos <= q_pos.repeat_interleave(group, dim=1)[:, :, None]  # [c, max_q * G, L]
+    return _Chunk(blocks.reshape(-1), stale, starts, mask[:, None], tok, q_valid, max_q)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query span over its sequence's paged K/V; returns out [T, Hq, D].
+
+    Span i (query[cu_query_lens[i]:cu_query_lens[i+1]]) holds the last q_len_i of the seq_lens[i]
+    tokens whose K/V are in the cache; its token j sits at seq_lens[i] - q_len_i + j.
+    ``plan``: from ``plan_paged_attention`` on the same metadata (built here when None).
+    """
+    if plan is None:
+        check_paged_attention_args(
+            query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
+        )
+        plan = plan_paged_attention(query, k_cache, block_tables, cu_query_lens, seq_lens)
+    elif query.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan is for {plan.num_tokens} tokens, query has {query.shape[0]}")
+    if out is None:
+        out = torch.empty_like(query)
+    for chunk in plan.chunks:
+        _attend_chunk(query, k_cache, v_cache, out, scale, chunk)
     return out
 
 
@@ -156,53 +236,33 @@ def _attend_chunk(
     v_cache: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    blocks: torch.Tensor,
-    kv: torch.Tensor,
-    ql: torch.Tensor,
-    starts: torch.Tensor,
-    kv_pos: torch.Tensor,
-    max_q: int,
+    chunk: _Chunk,
 ) -> None:
-    """Attention for a few sequences at once: blocks [c, nb] (padding entries already 0), context
-    lengths kv, span lengths ql (all >= 1) and first tokens starts [c]; kv_pos = arange(nb * B)."""
+    """Attention for a few sequences at once: gather their K/V, one masked SDPA, scatter back."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    c, seq_len_max = blocks.shape[0], kv_pos.shape[0]
-
-    flat_blocks = blocks.reshape(-1)
-    k = k_cache.index_select(0, flat_blocks).view(c * seq_len_max, num_kv_heads * head_dim)
-    v = v_cache.index_select(0, flat_blocks).view(c * seq_len_max, num_kv_heads * head_dim)
-    # Slots past seq_len hold stale or uninitialised values (even NaN), and a masked score does
-    # not cancel a NaN, so they are zeroed; sorting keeps their number small.
-    stale = (kv_pos >= kv[:, None]).view(-1).nonzero().squeeze(1)
-    k.index_fill_(0, stale, 0)
-    v.index_fill_(0, stale, 0)
+    c, seq_len_max = chunk.starts.shape[0], chunk.mask.shape[-1]
+    k = k_cache.index_select(0, chunk.flat_blocks).view(c * seq_len_max, num_kv_heads * head_dim)
+    v = v_cache.index_select(0, chunk.flat_blocks).view(c * seq_len_max, num_kv_heads * head_dim)
+    k.index_fill_(0, chunk.stale, 0)
+    v.index_fill_(0, chunk.stale, 0)
     k = k.view(c, seq_len_max, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(c, seq_len_max, num_kv_heads, head_dim).transpose(1, 2)
 
-    if max_q == 1:
-        # Decode: one token per sequence, the last one, which sees every cached key.
-        q = query.index_select(0, starts).view(c, num_kv_heads, group, head_dim)
-        mask = (kv_pos < kv[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out.index_copy_(0, starts, o.view(c, num_heads, head_dim))
+    if chunk.tok is None:
+        q = query.index_select(0, chunk.starts).view(c, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+        out.index_copy_(0, chunk.starts, o.view(c, num_heads, head_dim))
         return
-
-    # Pad the spans to [c, max_q] tokens (padding rows read token 0 and are dropped at the end).
-    q_idx = torch.arange(max_q, device=query.device)
-    q_valid = q_idx < ql[:, None]
-    tok = (starts[:, None] + q_idx).masked_fill(~q_valid, 0)
+    max_q = chunk.max_q
     # [c, max_q, Hkv, G, D] -> [c, Hkv, max_q * G, D]: row j * G + g is token j, head g.
     q = (
-        query[tok]
+        query[chunk.tok]
         .view(c, max_q, num_kv_heads, group, head_dim)
         .transpose(1, 2)
         .reshape(c, num_kv_heads, max_q * group, head_dim)
     )
-    # Token j sits at kv_len - q_len + j and sees keys up to there; padding rows see every key.
-    q_pos = torch.minimum(kv[:, None] - ql[:, None] + q_idx, kv[:, None] - 1)
-    mask = kv_pos <= q_pos.repeat_interleave(group, dim=1)[:, :, None]  # [c, max_q * G, L]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
     o = o.view(c, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
-    out[tok[q_valid]] = o.reshape(c, max_q, num_heads, head_dim)[q_valid]
+    out[chunk.tok[chunk.q_valid]] = o.reshape(c, max_q, num_heads, head_dim)[chunk.q_valid]

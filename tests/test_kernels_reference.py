@@ -196,3 +196,26 @@ def test_cpu_path_never_imports_triton_or_xformers():
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=os.path.dirname(kernels.__path__[0])
     )
+
+
+def test_one_plan_serves_every_layer(gen, monkeypatch):
+    """The per-step plan (built once, reused by all layers) gives each layer's exact result."""
+    monkeypatch.setattr(reference, "_CPU_CHUNK_BYTES", 2048)  # several chunks
+    shape = dict(num_heads=6, num_kv_heads=2, head_dim=8, block_size=16, generator=gen)
+    q_lens, seq_lens = [1, 5, 0, 30, 1], [17, 40, 3, 30, 64]
+    first = make_paged_problem(q_lens, seq_lens, **shape)
+    plan = kernels.plan_paged_attention(
+        first.query, first.k_cache, first.block_tables, first.cu_query_lens, first.seq_lens,
+        backend="torch",
+    )  # fmt: skip
+    assert len(plan.chunks) > 1
+    for layer in range(3):  # same spans and tables, other values (unowned slots stay NaN)
+        noise = [torch.randn(t.shape, generator=gen) for t in (first.query, first.k_cache)]
+        query, k_cache = first.query * noise[0], first.k_cache * noise[1]
+        v_cache = first.v_cache * (layer + 1)
+        tables = (first.block_tables, first.cu_query_lens, first.seq_lens)
+        expected = reference.paged_attention(query, k_cache, v_cache, *tables, 0.3)
+        got = kernels.paged_attention(query, k_cache, v_cache, *tables, 0.3, backend="torch",
+                                      plan=plan)  # fmt: skip
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert kernels.plan_paged_attention(first.query, first.k_cache, *tables, "triton") is None

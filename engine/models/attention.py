@@ -21,6 +21,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [S]: context length including this step's tokens
     block_tables: torch.Tensor  # int32 [S, M]
     backend: str = "torch"  # attention backend passed to kernels
+    # The backend's per-step plan, built by the first layer and reused by the others.
+    plan: object | None = None
+    planned: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -49,6 +52,11 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D], caches [N, B, Hkv, D] -> attention output [T, Hq, D]."""
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        if not meta.planned:
+            meta.plan = kernels.plan_paged_attention(
+                q, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend
+            )
+            meta.planned = True
         return kernels.paged_attention(
             q,
             k_cache,
@@ -58,4 +66,5 @@ class PagedAttention(nn.Module):
             meta.seq_lens,
             self.scale,
             backend=meta.backend,
+            plan=meta.plan,
         )
