@@ -94,64 +94,71 @@ def make_engine(
     )
 
 
-def _sequential(engine: LLMEngine, requests: list[BenchRequest]) -> dict:
-    """One request at a time (batch 1); totals over all of them."""
-    run_engine(engine, requests[:1])  # warm-up
-    seconds, tokens, outputs = 0.0, 0, []
-    drafts = accepted = rounds = 0
-    for r in requests:
-        run = run_engine(engine, [r], ignore_eos=False)
-        seconds += run.timings[0].last_token_s
-        tokens += len(run.token_ids[0])
-        outputs.append(run.token_ids[0])
-        drafts += run.stats["draft_tokens"]
-        accepted += run.stats["accepted_tokens"]
-        rounds += run.stats["verifications"]
-    return {
-        "seconds": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-        "acceptance_rate": accepted / drafts if drafts else None,
-        "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
-        "outputs": outputs,
-    }
+class _Tally:
+    """Totals of one system and k over the prompts of a workload."""
+
+    def __init__(self) -> None:
+        self.seconds, self.outputs = 0.0, []
+        self.drafts = self.accepted = self.rounds = 0
+
+    def result(self, speculative_stats: bool) -> dict:
+        tokens = sum(len(o) for o in self.outputs)
+        out = {"seconds": self.seconds, "tokens": tokens, "tokens_per_s": tokens / self.seconds}
+        if speculative_stats:
+            out["acceptance_rate"] = self.accepted / self.drafts if self.drafts else None
+            rounds = self.rounds
+            out["mean_accepted_length"] = (self.accepted + rounds) / rounds if rounds else None
+        return out | {"outputs": self.outputs}
+
+
+def _engine_one(engine: LLMEngine, request: BenchRequest, tally: _Tally) -> None:
+    run = run_engine(engine, [request], ignore_eos=False)
+    tally.seconds += run.timings[0].last_token_s
+    tally.outputs.append(run.token_ids[0])
+    tally.drafts += run.stats["draft_tokens"]
+    tally.accepted += run.stats["accepted_tokens"]
+    tally.rounds += run.stats["verifications"]
 
 
 @torch.inference_mode()
-def _hf_sequential(model, requests: list[BenchRequest], k: int | None) -> dict:
+def _hf_one(model, request: BenchRequest, k: int | None, tally: _Tally) -> None:
+    """HF ``generate``, plain (k None) or with prompt lookup of k tokens."""
     pad = model.generation_config.pad_token_id
     config = GenerationConfig(
-        max_new_tokens=requests[0].output_len,
+        max_new_tokens=request.output_len,
         do_sample=False,
         eos_token_id=model.generation_config.eos_token_id,
         pad_token_id=pad if pad is not None else model.config.pad_token_id,
         prompt_lookup_num_tokens=k,
     )
-    device = model.device
+    ids = torch.tensor([request.prompt_ids], device=model.device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+    )
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    tally.seconds += time.perf_counter() - start
+    tally.outputs.append(out[0, len(request.prompt_ids) :].tolist())
 
-    def generate(prompt: list[int]) -> tuple[list[int], float]:
-        ids = torch.tensor([prompt], device=device)
-        start = time.perf_counter()
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return out[0, len(prompt) :].tolist(), time.perf_counter() - start
 
-    generate(requests[0].prompt_ids)  # warm-up
-    seconds, outputs = 0.0, []
-    for r in requests:
-        tokens, dt = generate(r.prompt_ids)
-        seconds += dt
-        outputs.append(tokens)
-    tokens = sum(len(o) for o in outputs)
-    return {
-        "seconds": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-        "outputs": outputs,
-    }
+def batch_one(
+    engine: LLMEngine | None, model, requests: list[BenchRequest], k: int | None
+) -> dict[str, dict]:
+    """Batch 1, one prompt at a time: pagedspec (``engine``, None to skip) and HF (``model``,
+    None to skip) take turns on each prompt, so a disturbance on a shared machine falls on both
+    alike. Each is warmed up on the first prompt first."""
+    systems = {"pagedspec": engine, "hf": model}
+    systems = {name: system for name, system in systems.items() if system is not None}
+    tallies = {name: _Tally() for name in systems}
+    for i, r in enumerate([requests[0], *requests]):
+        for name, system in systems.items():
+            tally = tallies[name] if i else _Tally()  # the first pass is the warm-up
+            if name == "pagedspec":
+                _engine_one(system, r, tally)
+            else:
+                _hf_one(system, r, k, tally)
+    return {name: t.result(name == "pagedspec" and k is not None) for name, t in tallies.items()}
 
 
 def batch_sweep(args, prompts: list[list[int]], batch_sizes: list[int]) -> dict:
@@ -263,23 +270,25 @@ def run(args) -> dict:
     every = [r for rs in requests.values() for r in rs]
     blocks = kv_blocks_needed(every, 1, BLOCK_SIZE, max(k_values))
 
-    results: dict[str, dict] = {w: {"pagedspec": {}} for w in requests}
-    for k in [None, *k_values]:
-        engine = make_engine(args, 1, blocks, k, None)
-        for w, rs in requests.items():
-            results[w]["pagedspec"]["none" if k is None else str(k)] = _sequential(engine, rs)
-            _print_result(w, "pagedspec", k, results[w]["pagedspec"])
-        del engine
-        release_memory(device)
+    model = None
     if not args.no_hf:
         model = load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
+    systems = ["pagedspec"] + ([] if args.no_hf else ["hf"])
+    results = {w: {system: {} for system in systems} for w in requests}
+    for k in [None, *sorted(set(k_values) | set(hf_k_values))]:
+        engine = None
+        if k is None or k in k_values:
+            engine = make_engine(args, 1, blocks, k, None)
+        hf = model if k is None or k in hf_k_values else None
+        key = "none" if k is None else str(k)
         for w, rs in requests.items():
-            results[w]["hf"] = {}
-            for k in [None, *hf_k_values]:
-                results[w]["hf"]["none" if k is None else str(k)] = _hf_sequential(model, rs, k)
-                _print_result(w, "hf", k, results[w]["hf"])
-        del model
+            for system, result in batch_one(engine, hf, rs, k).items():
+                results[w][system][key] = result
+                _print_result(w, system, k, result)
+        del engine
         release_memory(device)
+    del model
+    release_memory(device)
     for systems in results.values():
         reference = systems["pagedspec"]["none"]["outputs"]
         for runs in systems.values():
@@ -312,8 +321,7 @@ def run(args) -> dict:
     return payload
 
 
-def _print_result(workload: str, system: str, k: int | None, runs: dict) -> None:
-    r = runs["none" if k is None else str(k)]
+def _print_result(workload: str, system: str, k: int | None, r: dict) -> None:
     label = f"{system} {'plain' if k is None else f'k={k}'}"
     acc = r.get("acceptance_rate")
     if acc is not None:

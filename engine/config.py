@@ -14,9 +14,11 @@ class SpeculativeConfig:
     """How drafts are proposed.
 
     ``disable_batch_size``: speculation is switched off for a step when at least this many
-    sequences are decoding. Verification of k drafts costs (k+1)x the target's tokens; once the
-    batch is large enough that a step is compute-bound, those tokens are no longer free.
-    Measured by ``benchmarks/spec_decode.py`` (see RESULTS.md).
+    sequences are running or waiting. Verifying k drafts costs (k+1)x the target's tokens; once
+    a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
+    measures the crossover (RESULTS.md): on the 2-core CPU, input-grounded prompts still gain at
+    batch 64, while open chat prompts (~10% acceptance) lose at every batch size, so the default
+    of 32 is a compromise, not a measured optimum; acceptance-aware k would fit better.
     """
 
     method: str = "ngram"

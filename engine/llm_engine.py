@@ -323,8 +323,10 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return 0
-        decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
-        return 0 if decoding >= spec.disable_batch_size else spec.num_speculative_tokens
+        # Count every running sequence, not only the decoding ones: prompts being prefilled
+        # are about to decode, and a step full of prefill chunks is already compute-bound.
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return 0 if busy >= spec.disable_batch_size else spec.num_speculative_tokens
 
     def _propose(self, scheduled) -> dict[int, list[int]]:
         if self.proposer is None:
