@@ -43,16 +43,16 @@ if ! "$PY" -c "import xformers.ops" >/dev/null 2>&1; then
 fi
 "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|triton|xformers|transformers) ' || true
 
-step pytest-gpu 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
-step bench-kernels 200 "$PY" -m benchmarks.kernels --output-dir "$OUT" --iters 10
+step pytest-gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
+step bench-kernels 170 "$PY" -m benchmarks.kernels --output-dir "$OUT" --iters 10
 
-# ---- throughput benchmark (added by the lead; runs only once benchmarks/throughput.py exists) ----
-if [ -f benchmarks/throughput.py ]; then
-    step bench-throughput 90 "$PY" -m benchmarks.throughput --load-format dummy \
-        --model-config llama-3.2-1b --dtype bfloat16 --batch-sizes 1,16,64,256 --output-dir "$OUT"
-else
-    echo "note: benchmarks/throughput.py not present yet; throughput step skipped"
-fi
+# End-to-end throughput at GPU sizes, dummy weights, against HF static batching.
+for shape in llama-3.2-1b llama-3.1-8b; do
+    step "throughput-$shape" 75 "$PY" -m benchmarks.throughput --load-format dummy \
+        --model-config "$shape" --dtype bfloat16 --device cuda --batch-sizes 1,16,64,256 \
+        --input-len 128:512 --output-len 64:128 --peers hf-static --tag "throughput-$shape" \
+        --output-dir "$OUT"
+done
 
 if [ "${#failed[@]}" -eq 0 ]; then
     echo "=== gpu_check: all steps passed in ${SECONDS}s"
