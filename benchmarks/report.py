@@ -221,7 +221,8 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, ngram "
         f"k={sweep['k']} forced on at every batch size vs off; 'default' is the engine's "
         "SpeculativeConfig "
-        f"(speculation off at >= {sweep['default_disable_batch_size']} running or waiting sequences).",
+        f"(speculation off at >= {sweep['default_disable_batch_size']} running or waiting "
+        "sequences).",
         "",
     ]
     lines += _table(

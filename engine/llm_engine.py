@@ -140,12 +140,17 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}"
+            )
         self._check_params(params)
         self._check_fits(token_ids, params)
         request = Request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params
         )
         seq = Sequence(self._new_seq_id(), token_ids)
+        seq.seats = params.n  # its forks take their seats when the prompt is done
         self._add_sample(request, seq, 0)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -304,6 +309,7 @@ class LLMEngine:
     def _fork(self, request: Request, parent: SampleState) -> list[SampleState]:
         """n > 1: the prompt was computed once; the samples share its blocks (copy-on-write)."""
         forks = [parent]
+        parent.seq.seats = 1
         for index in range(1, request.params.n):
             child = Sequence(self._new_seq_id(), parent.seq.token_ids)
             child.num_computed_tokens = parent.seq.num_computed_tokens

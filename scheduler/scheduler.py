@@ -114,13 +114,11 @@ class Scheduler:
 
         # No admissions in a step that preempted: memory is short, and the preempted sequence
         # would only be re-admitted and preempted again.
-        while (
-            self.waiting
-            and not out.preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and not out.preempted and budget > 0:
             seq = self.waiting[0]
+            seats = sum(s.seats for s in self.running)
+            if seats + seq.seats > self.config.max_num_seqs:
+                break
             if not self.block_manager.can_allocate(seq.token_ids):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

@@ -21,7 +21,14 @@ class Sequence:
       ``token_ids[num_computed_tokens:]`` (a prefill chunk, or the last sampled token).
     """
 
-    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status")
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "seats",
+    )
 
     def __init__(self, seq_id: int, token_ids: list[int]):
         self.seq_id = seq_id
@@ -29,6 +36,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        # Slots of max_num_seqs this sequence holds: n for a prompt that will fork into n
+        # samples once its prefill is done, then 1 for each of them.
+        self.seats = 1
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -274,3 +274,19 @@ def test_random_requests_with_aborts_finish_and_free_every_block(tiny_llama):
         assert ("abort" in reasons) == (rid in aborted and "abort" in reasons)
     stats = engine.get_stats()
     assert stats.num_free_blocks == 40 and stats.num_running == stats.num_waiting == 0
+
+
+def test_parallel_samples_count_against_max_num_seqs(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=64, max_num_seqs=4))
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("b", PROMPTS[1], params)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("c", PROMPTS[2], SamplingParams(n=5))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        assert len(engine.scheduler.running) <= 4
+    assert all(len(o.outputs) == 3 for o in finished.values()) and len(finished) == 2

@@ -167,3 +167,14 @@ def test_random_workload_conserves_blocks_and_finishes(seed):
                 sched.finish(s)
     assert not sched.has_unfinished()
     assert bm.num_free_blocks() == 24
+
+
+def test_a_prompt_that_will_fork_reserves_its_seats():
+    sched, _ = make(max_num_seqs=4)
+    parent = seq(0, 5)
+    parent.seats = 3  # n = 3 samples once the prompt is done
+    sched.add(parent)
+    sched.add(seq(1, 5))
+    sched.add(seq(2, 5))
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1]  # 3 + 1 seats: the third waits
