@@ -207,32 +207,31 @@ class LLMEngine:
             spans.append(Span(seq.seq_id, tokens + d, start, 1 + len(d) if s.samples else 0))
         logits = self.runner.forward(spans)
 
-        to_sample: list[tuple[SampleState, torch.Tensor, list[int]]] = []
-        computed_before: dict[int, int] = {}
+        # (sample, its logit rows, its drafts, tokens computed before this step)
+        to_sample: list[tuple[SampleState, torch.Tensor, list[int], int]] = []
         progressed: dict[str, Request] = {}
         row = 0
         for s, span in zip(sched.scheduled, spans, strict=True):
             seq = s.seq
-            computed_before[seq.seq_id] = seq.num_computed_tokens
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             request, sample = self._samples[seq.seq_id]
             if not s.samples:
-                self._commit_prefix(seq, computed_before[seq.seq_id])
+                self._commit_prefix(seq, before)
                 continue
             rows = logits[row : row + span.num_logits]
             row += span.num_logits
             progressed[request.request_id] = request
             d = drafts.get(seq.seq_id, [])
-            if len(request.samples) < request.params.n:
-                to_sample.extend((child, rows, d) for child in self._fork(request, sample))
-            else:
-                to_sample.append((sample, rows, d))
+            forks = (
+                self._fork(request, sample) if len(request.samples) < request.params.n else [sample]
+            )
+            to_sample.extend((fork, rows, d, before) for fork in forks)
 
-        tokens, logprobs = self._sample(to_sample)
-        for (sample, _, _), new_tokens, token_logprobs in zip(
+        tokens, logprobs = self._sample([(s, rows, d) for s, rows, d, _ in to_sample])
+        for (sample, _, _, before), new_tokens, token_logprobs in zip(
             to_sample, tokens, logprobs, strict=True
         ):
-            before = computed_before.get(sample.seq.seq_id, sample.seq.num_computed_tokens - 1)
             self._commit(sample, new_tokens, token_logprobs, before)
 
         for request in progressed.values():

@@ -138,18 +138,25 @@ def test_stop_token_ids_and_min_tokens(tiny_llama, reference):
     assert stop_id not in comp.token_ids[: first + 1]
 
 
-def test_eos_stops_unless_ignored(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64)
-    eos = llm.tokenizer.eos_token_id
-    # force EOS by making it the only allowed token: top_k=1 on a prompt is not enough, so use
-    # the model's own greedy output and check the finish reason semantics on stop ids instead
-    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-    comp = out[0].outputs[0]
-    assert comp.finish_reason in ("stop", "length")
-    if comp.finish_reason == "stop":
-        assert comp.token_ids[-1] == eos
-    else:
-        assert len(comp.token_ids) == 5
+def test_eos_stops_unless_ignored(tiny_llama, reference, tmp_path):
+    """The same weights with EOS declared to be a token the model emits greedily."""
+    import json
+    import shutil
+
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(tiny_llama, eos_dir)
+    ref = reference[0]
+    eos = ref[4]
+    config = json.loads((eos_dir / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (eos_dir / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(eos_dir), num_kv_blocks=64)
+    comp = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24),
+                        use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert comp.token_ids == ref[: ref.index(eos) + 1] and comp.finish_reason == "stop"
+    comp = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert comp.token_ids == ref and comp.finish_reason == "length"
 
 
 def test_n_samples_are_reproducible_and_different(tiny_llama):
