@@ -35,21 +35,24 @@ def write_kv_cache(
     In place. Slots other than -1 must be distinct (duplicate slots leave an unspecified winner).
     """
     check_write_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    num_blocks, block_size = k_cache.shape[:2]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    if slots.numel() == 0:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if slot_mapping.numel() == 0:
         return
-    if int(slots.max()) >= num_blocks * block_size or bool((slot_mapping < -1).any()):
+    lowest, highest = torch.stack(torch.aminmax(slot_mapping)).tolist()  # the one host sync
+    if lowest < -1 or highest >= num_blocks * block_size:
         raise ValueError(
             f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}) "
             f"(num_blocks * block_size)"
         )
-    # Index (block, offset) rather than a flattened view so that caches of any stride work.
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache.index_put_((blocks, offsets), key[keep])
-    v_cache.index_put_((blocks, offsets), value[keep])
+    slots = slot_mapping.long()
+    if lowest == -1:  # padding tokens: keep only the others
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        if cache.stride(0) == block_size * cache.stride(1):  # [N, B] collapse into one slot dim
+            cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, new)
+        else:  # index (block, offset) so that caches of any stride work
+            cache.index_put_((slots // block_size, slots % block_size), new)
 
 
 # Gathered K/V bytes per chunk of sequences (see the module docstring). On CUDA there are no

@@ -108,7 +108,8 @@ def test_reference_block_size_32_and_int64_indices(gen):
 @pytest.mark.parametrize(
     ("slot_dtype", "dtype"), [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)]
 )
-def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, gen):
+@pytest.mark.parametrize("strided_cache", [False, True])
+def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, strided_cache, gen):
     num_blocks, block_size, heads, dim = 6, 16, 3, 8
     num_tokens = 40
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -118,6 +119,9 @@ def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, gen):
     key, value = qkv[:, :heads], qkv[:, heads + 1 : 2 * heads + 1]
     k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
+    if strided_cache:  # blocks and offsets that do not collapse into one slot dimension
+        k_cache = torch.cat([k_cache, k_cache], dim=1)[:, :block_size]
+        v_cache = torch.cat([v_cache, v_cache], dim=1)[:, :block_size]
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
     # Triton's kernels are compiled for the GPU where there is one, interpreted otherwise.
@@ -126,7 +130,7 @@ def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, gen):
     kernels.write_kv_cache(
         key.to(device), value.to(device), *caches, slots.to(device, slot_dtype), backend=backend
     )
-    k_cache, v_cache = (c.cpu() for c in caches)
+    k_cache, v_cache = (c.cpu().contiguous() for c in caches)
 
     keep = slots >= 0
     expect_k = k_before.view(-1, heads, dim).clone()

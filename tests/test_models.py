@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from paged_harness import PagedHarness
 from transformers import (
     AutoModelForCausalLM,
@@ -14,6 +15,7 @@ from transformers import (
 
 from engine.model_loader import load_model, model_kv_shape
 from engine.models import LlamaForCausalLM, get_model_class
+from engine.models.layers import Linear
 
 VOCAB = 256
 COMMON = dict(
@@ -214,3 +216,21 @@ def test_model_is_built_on_the_context_device(name):
         model = LlamaForCausalLM(CONFIGS[name]())
     tensors = [*model.parameters(), *model.buffers()]
     assert {t.device.type for t in tensors} == {"meta"}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_gemv_linear_equals_linear(threads, bias):
+    """Few-row products take the row-split bmm path; results must be F.linear's, laid out
+    contiguously, for any row count and thread count (gcd 1 falls back to F.linear)."""
+    layer = Linear(48, 36, bias=bias)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in [(1, 48), (2, 48), (5, 48), (8, 48), (9, 48), (40, 48), (2, 3, 48)]:
+            x = torch.randn(shape)
+            got = layer(x)
+            assert got.shape == (*shape[:-1], 36) and got.is_contiguous()
+            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    finally:
+        torch.set_num_threads(saved)

@@ -1,6 +1,9 @@
-"""Building blocks shared by the Llama-family models: RMSNorm and rotary position embeddings."""
+"""Building blocks shared by the Llama-family models: Linear, RMSNorm and rotary embeddings."""
+
+import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -8,6 +11,33 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
 # which has no single meaning in a packed batch of sequences of different lengths.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+# Up to this many rows, a CPU Linear runs as a row-split batched GEMV (see Linear).
+_SPLIT_GEMV_MAX_ROWS = 8
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU products with few rows (decode, short verification spans) use every
+    core.
+
+    MKL runs an fp32 product with 1-8 rows on one core however many it has: on the 2-core dev
+    CPU it streams weights from DRAM at ~10 GB/s, where a plain read reaches ~28 GB/s. Viewing
+    the weight's rows as P = gcd(out_features, threads) blocks and calling ``bmm`` gives each
+    block its own thread: 2-3x faster for 1-4 rows, measured on SmolLM2-135M's shapes (numbers
+    in benchmarks/RESULTS.md). The result is the same product up to float summation order.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        parts = math.gcd(self.out_features, torch.get_num_threads())
+        if x.device.type != "cpu" or rows > _SPLIT_GEMV_MAX_ROWS or parts == 1:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
+        out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
+        out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):

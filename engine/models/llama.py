@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 _STACKED = (
@@ -50,8 +50,8 @@ class LlamaAttention(nn.Module):
         # qwen2 always has q/k/v biases and no o_proj bias; the others follow attention_bias.
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         # qwen3 normalises each head of q and k before rope.
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -70,13 +70,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # One rope call rotates the query and key heads together.
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -87,8 +88,8 @@ class LlamaMLP(nn.Module):
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {config.hidden_act!r}")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -151,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         window = sliding_window_of(config)
