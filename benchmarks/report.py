@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks import spec_decode
+from benchmarks import spec_decode, throughput
 
 
 def _load(results_dir: Path) -> dict[str, list[dict]]:
@@ -263,15 +263,36 @@ def render_block_manager(p: dict) -> list[str]:
     return [*lines, ""]
 
 
-def render_targets(spec_payloads: list[dict]) -> list[str]:
-    rows = []
-    for p in spec_payloads:
-        for t in spec_decode.targets(p):
-            verdict = "**PASS**" if t["passed"] else "**MISS**"
-            rows.append([t["name"], f"{t['value']:.2f}x", f">= {t['threshold']}x", verdict])
+def render_targets(found: dict[str, list[dict]]) -> list[str]:
+    measured = [t for p in found.get("throughput", []) for t in throughput.targets(p)]
+    measured += [t for p in found.get("spec_decode", []) for t in spec_decode.targets(p)]
+    rows = [
+        [t["name"], f"{t['value']:.2f}x", f">= {t['threshold']}x",
+         "**PASS**" if t["passed"] else "**MISS**"]
+        for t in measured
+    ]  # fmt: skip
     if not rows:
         return []
     return ["## Targets", "", *_table(["target", "measured", "threshold", ""], rows), ""]
+
+
+def render_linear(p: dict) -> list[str]:
+    lines = [
+        f"## Linear layers: row-split `Linear` vs `F.linear` ({p['model']})",
+        "",
+        *_machine(p),
+        f"- one pass = every projection of every layer plus the LM head "
+        f"({p['weight_bytes'] / 1e6:.0f} MB of weights), median of {p['repeats']} alternated "
+        f"passes, {p['threads']} threads",
+        "",
+    ]
+    rows = [
+        [str(r["rows"]), f"{r['f_linear_ms']:.1f}", f"{r['linear_ms']:.1f}",
+         f"{r['speedup']:.2f}x", f"{r['linear_gbs']:.1f}", f"{r['linear_gflops']:.0f}"]
+        for r in p["results"]
+    ]  # fmt: skip
+    header = ["rows", "F.linear ms", "Linear ms", "speedup", "Linear GB/s", "Linear GFLOP/s"]
+    return [*lines, *_table(header, rows), ""]
 
 
 def render_run_all(p: dict) -> list[str]:
@@ -293,6 +314,7 @@ RENDERERS = {
     "latency": render_latency,
     "spec_decode": render_spec_decode,
     "block_manager": render_block_manager,
+    "linear": render_linear,
     "run_all": render_run_all,
 }
 
@@ -311,7 +333,7 @@ def render(results_dir: Path, output: Path) -> str:
         "(`python -m benchmarks.run_all`) and regenerates this page.",
         "",
     ]
-    lines += render_targets(found.get("spec_decode", []))
+    lines += render_targets(found)
     for name, renderer in RENDERERS.items():
         for payload in found.get(name, []):
             lines += renderer(payload)

@@ -2,8 +2,9 @@
 
 Sized for a 2-core CPU to finish in about a quarter of an hour: throughput over batch sizes
 1..64 with both HF peers, latency at batch 1 and 4, speculative decoding (batch 1 per k, plus the
-batch sweep for the speculation threshold) and the block manager's bookkeeping. Each benchmark
-runs in its own process; run_all.json records each command, its exit status and wall time.
+batch sweep for the speculation threshold), the block manager's bookkeeping and the linear
+layers' row-split speed-up. Each benchmark runs in its own process; run_all.json records each
+command, its exit status and wall time.
 
     python -m benchmarks.run_all [--quick] [--model DIR] [--output-dir DIR]
 
@@ -28,6 +29,7 @@ FULL = {
     "spec_decode": "--num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24",
     "block_manager": "",
+    "linear": "",
 }
 QUICK = {
     "throughput": "--batch-sizes 1,4 --input-len 16:64 --output-len 8:16",
@@ -35,8 +37,9 @@ QUICK = {
     "spec_decode": "--num-prompts 2 --max-tokens 24 --k-values 2,4 --batch-sizes 1,4 "
     "--sweep-max-tokens 16",
     "block_manager": "--num-seqs 32 --steps 50",
+    "linear": "--rows 1,8,64 --repeats 2",
 }
-TAKES_MODEL = ("throughput", "latency", "spec_decode")
+TAKES_MODEL = ("throughput", "latency", "spec_decode", "linear")
 
 
 def commands(quick: bool, model: str | None, output_dir: Path) -> dict[str, list[str]]:

@@ -410,6 +410,28 @@ def run(args) -> dict:
     return payload
 
 
+# Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
+TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
+
+
+def targets(payload: dict) -> list[dict]:
+    """The targets this run measured (batch sizes and peers it included), for RESULTS.md."""
+    by_size = {r["batch_size"]: r for r in payload["results"]}
+    out = []
+    for batch_size, peer, threshold in TARGETS:
+        ratio = by_size.get(batch_size, {}).get("ratios", {}).get(peer)
+        if ratio is not None:
+            out.append(
+                {
+                    "name": f"throughput, batch {batch_size}: pagedspec vs {peer}",
+                    "value": ratio,
+                    "threshold": threshold,
+                    "passed": ratio >= threshold,
+                }
+            )
+    return out
+
+
 def print_row(row: dict) -> None:
     b = row["batch_size"]
     print(

@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from benchmarks import latency, report, roofline, run_all, spec_decode, throughput
+from benchmarks import latency, linear, report, roofline, run_all, spec_decode, throughput
 from benchmarks.peers import PEERS
 from engine.models import LlamaForCausalLM
 
@@ -85,6 +85,27 @@ def test_report_renders_throughput(throughput_run, tmp_path):
     assert "## Throughput" in text and f"| {ratio:.2f} |" in text
     assert f"]({out.as_posix()}" not in text  # links are relative to RESULTS.md
     assert "tp.png)" in text
+    # Batch 1 was measured, batch 32 was not: only the batch-1 target is reported.
+    [target] = throughput.targets(payload)
+    assert target["value"] == pytest.approx(payload["results"][0]["ratios"]["hf-static"])
+    assert target["passed"] == (target["value"] >= 1.5)
+    verdict = "PASS" if target["passed"] else "MISS"
+    assert f"| {target['name']} | {target['value']:.2f}x | >= 1.5x | **{verdict}** |" in text
+
+
+def test_linear_benchmark_times_both_paths(tiny_llama, tmp_path):
+    args = ["--model", tiny_llama, "--rows", "1,3,300", "--repeats", "2"]
+    payload = linear.run(linear.build_parser().parse_args([*args, "--output-dir", str(tmp_path)]))
+    assert json.loads((tmp_path / "linear.json").read_text())["results"] == payload["results"]
+    assert [r["rows"] for r in payload["results"]] == [1, 3, 300]
+    for r in payload["results"]:
+        assert r["speedup"] == pytest.approx(r["f_linear_ms"] / r["linear_ms"])
+        assert r["linear_gbs"] == pytest.approx(payload["weight_bytes"] / r["linear_ms"] / 1e6)
+    text = report.render(tmp_path, tmp_path / "RESULTS.md")
+    assert (
+        "## Linear layers" in text
+        and f"| 300 | {payload['results'][2]['f_linear_ms']:.1f} |" in text
+    )
 
 
 def test_latency_and_spec_decode_smoke(tiny_llama, tmp_path):
@@ -212,7 +233,7 @@ def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
 
 def test_run_all_commands_pass_the_model_where_taken(tmp_path):
     cmds = run_all.commands(quick=True, model="/m", output_dir=tmp_path)
-    assert set(cmds) == {"throughput", "latency", "spec_decode", "block_manager"}
+    assert set(cmds) == {"throughput", "latency", "spec_decode", "block_manager", "linear"}
     for name, cmd in cmds.items():
         assert cmd[1:3] == ["-m", f"benchmarks.{name}"]
         assert cmd[cmd.index("--output-dir") + 1] == str(tmp_path)

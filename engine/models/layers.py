@@ -13,30 +13,34 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Up to this many rows, a CPU Linear runs as a row-split batched GEMV (see Linear).
-_SPLIT_GEMV_MAX_ROWS = 8
+# Row counts for which a CPU Linear splits its weight (see Linear); measured on the dev CPU.
+_GEMV_MAX_ROWS = 6  # up to here: weight blocks times x^T (a batched GEMV)
+_SPLIT_MAX_ROWS = 128  # up to here: x times transposed weight blocks; beyond: F.linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU products with few rows (decode, short verification spans) use every
-    core.
+    """nn.Linear whose CPU products with few rows (decode, verification spans) use every core.
 
-    MKL runs an fp32 product with 1-8 rows on one core however many it has: on the 2-core dev
-    CPU it streams weights from DRAM at ~10 GB/s, where a plain read reaches ~28 GB/s. Viewing
-    the weight's rows as P = gcd(out_features, threads) blocks and calling ``bmm`` gives each
-    block its own thread: 2-3x faster for 1-4 rows, measured on SmolLM2-135M's shapes (numbers
-    in benchmarks/RESULTS.md). The result is the same product up to float summation order.
+    MKL runs an fp32 product with a handful of rows on one core however many it has: on the
+    2-core dev CPU it streams weights from DRAM at ~10 GB/s, where a plain read reaches ~28 GB/s.
+    Viewing the weight's rows as P = gcd(out_features, threads) blocks and calling ``bmm`` gives
+    each block its own thread. Measured over SmolLM2-135M's weights (python -m
+    benchmarks.linear): 1-5 rows 1.6-3x faster, 8-128 rows 1.1-1.3x, from 256 rows on no gain.
+    The result is the same product up to float summation order.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         parts = math.gcd(self.out_features, torch.get_num_threads())
-        if x.device.type != "cpu" or rows > _SPLIT_GEMV_MAX_ROWS or parts == 1:
+        if x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or parts == 1:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
-        out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
-        out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
+        if rows <= _GEMV_MAX_ROWS:  # [P, out / P, rows]
+            out = torch.bmm(blocks, flat.t().expand(parts, -1, -1)).permute(2, 0, 1)
+        else:  # [P, rows, out / P]
+            out = torch.bmm(flat.expand(parts, -1, -1), blocks.transpose(1, 2)).transpose(0, 1)
+        out = out.contiguous().view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
