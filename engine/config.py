@@ -18,7 +18,11 @@ class SpeculativeConfig:
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
     measures the crossover (RESULTS.md): on the 2-core CPU, input-grounded prompts still gain at
     batch 64, while open chat prompts (~10% acceptance) lose at every batch size, so the default
-    of 32 is a compromise, not a measured optimum; acceptance-aware k would fit better.
+    of 32 is a compromise, not a measured optimum.
+
+    ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
+    drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
+    drafts every step.
     """
 
     method: str = "ngram"
@@ -27,6 +31,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     disable_batch_size: int = 32
+    max_draft_skip: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -36,6 +41,8 @@ class SpeculativeConfig:
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max must be an integer >= ngram_min, got {self.ngram_max!r}")
         _positive("disable_batch_size", self.disable_batch_size)
+        if not isinstance(self.max_draft_skip, int) or self.max_draft_skip < 0:
+            raise ValueError(f"max_draft_skip must be an integer >= 0, got {self.max_draft_skip!r}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft_model is required when method='draft'")
 

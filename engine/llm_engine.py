@@ -19,6 +19,7 @@ from engine.request import Request, SampleState
 from engine.sampler import Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify_deterministic_drafts
+from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer, Proposer
 from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig, Sequence
@@ -87,6 +88,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(draft_runner)
         elif spec is not None:
             self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+        self.backoff = DraftBackoff(spec.max_draft_skip if spec else 0)
         self.sampler = Sampler(config.seed, self.device)
         self.requests: dict[str, Request] = {}
         self._samples: dict[int, tuple[Request, SampleState]] = {}  # seq_id → owner
@@ -322,6 +324,7 @@ class LLMEngine:
         self._samples.pop(sample.seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.release(sample.seq.seq_id)
+            self.backoff.release(sample.seq.seq_id)
 
     # --- speculation ----------------------------------------------------------------------------
     def _lookahead_this_step(self) -> int:
@@ -340,6 +343,8 @@ class LLMEngine:
         for s in scheduled:
             seq = s.seq
             if not s.num_lookahead_slots or not seq.num_output_tokens:
+                continue
+            if not self.backoff.should_draft(seq.seq_id):
                 continue
             params = self._samples[seq.seq_id][1].params
             left = (params.max_tokens or self.max_model_len) - seq.num_output_tokens
@@ -379,9 +384,10 @@ class LLMEngine:
         samples = self.sampler(logits, sbatch).token_ids.tolist()
         drafts = [d for _, _, d in batch]
         tokens = verify_deterministic_drafts(samples, drafts, starts)
-        for d, emitted in zip(drafts, tokens, strict=True):
+        for (sample, _, d), emitted in zip(batch, tokens, strict=True):
             if d:
                 accepted = len(emitted) - 1
+                self.backoff.record(sample.seq.seq_id, len(d), accepted)
                 self._num_draft_tokens += len(d)
                 self._num_accepted_tokens += accepted
                 self._num_verifications += 1

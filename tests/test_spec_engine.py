@@ -9,6 +9,7 @@ import torch
 from conftest import build_tiny_llama
 
 from engine import LLM, SamplingParams
+from engine.spec_decode.backoff import DraftBackoff
 
 PROMPTS = [
     "one two three four five one two three four five one two three",
@@ -32,7 +33,8 @@ def plain(tiny_llama):
     return generate(LLM(tiny_llama, num_kv_blocks=128))
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# Backoff off: every eligible step drafts, so the lossless tests exercise as many rounds as can be.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_draft_skip": 0}
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,53 @@ def test_ngram_greedy_equals_plain_greedy(tiny_llama, plain, kwargs):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     if kwargs["num_kv_blocks"] == 14:
         assert stats.num_preemptions > 0
+
+
+class _FixedDrafts:
+    """Always drafts k copies of one token: almost never what the model continues with."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, seqs, ks):
+        return [[self.token] * k for k in ks]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, plain):
+    stats = {}
+    for skip in (0, 16):
+        llm = LLM(tiny_llama, num_kv_blocks=128,
+                  speculative_config={**NGRAM, "max_draft_skip": skip})  # fmt: skip
+        llm.llm_engine.proposer = _FixedDrafts(token=7)
+        assert generate(llm) == plain
+        stats[skip] = llm.llm_engine.get_stats()
+    assert stats[0].acceptance_rate < 0.2  # the premise: these drafts mostly fail
+    # Without backoff every decode step after the first verifies 4 drafts; with it, a failed
+    # round skips 1, 2, 4, ... steps: far fewer rounds, and never a different token.
+    assert 0 < stats[16].num_verifications < stats[0].num_verifications / 2
+
+
+def test_draft_backoff_doubles_on_failure_and_resets_on_success():
+    backoff = DraftBackoff(max_skip=4)
+    assert backoff.should_draft(7)  # unknown sequence: draft
+    pattern = []
+    for accepted in (0, 0, 0, 0, 2, 0):
+        backoff.record(7, 3, accepted)
+        skipped = 0
+        while not backoff.should_draft(7):
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4, 4, 0, 1]
+    assert backoff.should_draft(8)  # per sequence
+    backoff.record(8, 2, 0)
+    backoff.release(8)
+    assert backoff.should_draft(8)
+    assert DraftBackoff(max_skip=0).should_draft(1)
+    with pytest.raises(ValueError, match="max_skip"):
+        DraftBackoff(-1)
 
 
 def test_draft_model_greedy_equals_plain_greedy(tiny_llama, tiny_draft, plain):
