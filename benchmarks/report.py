@@ -222,7 +222,12 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         f"k={sweep['k']} forced on at every batch size vs off; 'default' is the engine's "
         "SpeculativeConfig "
         f"(speculation off at >= {sweep['default_disable_batch_size']} running or waiting "
-        "sequences).",
+        "sequences)"
+        + (
+            f"; the configs take turns, best of {sweep['repeats']} runs each."
+            if sweep.get("repeats")
+            else "."
+        ),
         "",
     ]
     lines += _table(
