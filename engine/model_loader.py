@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.models import get_model_class
-from engine.models.layers import RMSNorm
+from engine.models.layers import Linear, RMSNorm
 from engine.models.llama import head_dim_of
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -145,6 +145,9 @@ def load_model(
     else:
         net.load_weights(weights)
     net.eval().requires_grad_(False)
+    for module in net.modules():
+        if isinstance(module, Linear):
+            module.prepack()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
 
 

@@ -220,17 +220,45 @@ def test_model_is_built_on_the_context_device(name):
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_split_gemv_linear_equals_linear(threads, bias):
-    """Few-row products take the row-split bmm path; results must be F.linear's, laid out
-    contiguously, for any row count and thread count (gcd 1 falls back to F.linear)."""
+@pytest.mark.parametrize("prepack", [False, True])
+def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack):
+    """1-2 rows take the row-split bmm, 3+ rows oneDNN (after prepack) or F.linear: all must
+    give F.linear's product, laid out contiguously, for any row and thread count."""
     layer = Linear(48, 36, bias=bias)
+    if prepack:
+        layer.prepack()
+        assert layer.packed is not None  # the CPU torch wheel is built with oneDNN
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for shape in [(1, 48), (2, 48), (5, 48), (8, 48), (9, 48), (40, 48), (2, 3, 48)]:
-            x = torch.randn(shape)
-            got = layer(x)
-            assert got.shape == (*shape[:-1], 36) and got.is_contiguous()
-            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+        with torch.inference_mode():
+            for shape in [(1, 48), (2, 48), (3, 48), (9, 48), (300, 48), (1, 2, 48), (2, 3, 48)]:
+                x = torch.randn(shape)
+                got = layer(x)
+                assert got.shape == (*shape[:-1], 36) and got.is_contiguous()
+                torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
     finally:
         torch.set_num_threads(saved)
+
+
+def test_packed_weight_is_not_used_once_the_weight_changes():
+    layer = Linear(32, 16, bias=False)
+    layer.prepack()
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the packed copy is now stale
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+        layer.weight = torch.nn.Parameter(torch.randn(16, 32))  # replaced outright
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+        layer.prepack()
+        assert layer.packed is not None
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_loaded_cpu_model_is_prepacked(tmp_path):
+    save_tiny(CONFIGS["llama"](), tmp_path)
+    model = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
+    assert all(m.packed is None for m in bf16.modules() if isinstance(m, Linear))

@@ -13,35 +13,65 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Row counts for which a CPU Linear splits its weight (see Linear); measured on the dev CPU.
-_GEMV_MAX_ROWS = 6  # up to here: weight blocks times x^T (a batched GEMV)
-_SPLIT_MAX_ROWS = 128  # up to here: x times transposed weight blocks; beyond: F.linear
+# Up to this many rows a CPU Linear runs as a row-split batched GEMV (see Linear).
+_GEMV_MAX_ROWS = 2
+# oneDNN packs a weight for an expected batch size; 64 measured as fast as any other hint for
+# 3..2048 rows on the dev CPU.
+_PACK_BATCH_HINT = 64
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
+)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU products with few rows (decode, verification spans) use every core.
+    """nn.Linear with two CPU fast paths, chosen by the number of rows (tokens) in the product.
 
-    MKL runs an fp32 product with a handful of rows on one core however many it has: on the
-    2-core dev CPU it streams weights from DRAM at ~10 GB/s, where a plain read reaches ~28 GB/s.
-    Viewing the weight's rows as P = gcd(out_features, threads) blocks and calling ``bmm`` gives
-    each block its own thread. Measured over SmolLM2-135M's weights (python -m
-    benchmarks.linear): 1-5 rows 1.6-3x faster, 8-128 rows 1.1-1.3x, from 256 rows on no gain.
-    The result is the same product up to float summation order.
+    - 1-2 rows (decode at batch 1-2): MKL runs such a product on one core however many there
+      are; on the 2-core dev CPU it streams weights from DRAM at ~10 GB/s, where a plain read
+      reaches ~28 GB/s. Viewing the weight's rows as P = gcd(out_features, threads) blocks and
+      calling ``bmm`` gives each block its own thread: 2-3x faster.
+    - 3+ rows (verification spans, batched decode, prefill): oneDNN with the weight packed into
+      its blocked layout once (``prepack``): 1.2-1.7x MKL's sgemm from 3 to 2048 rows on
+      SmolLM2-135M's shapes. Float32 only; it keeps a second copy of the weight.
+
+    Both compute the same product up to float summation order (``python -m benchmarks.linear``
+    measures them against ``F.linear``). Without ``prepack`` (or on CUDA) 3+ rows use F.linear.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: torch.Tensor | None = None  # oneDNN copy of ``weight``, from prepack()
+        self._packed_key: tuple[int, int] | None = None  # (data_ptr, version) it was made from
+
+    def prepack(self) -> None:
+        """Pack the current weight for oneDNN (CPU float32 weights on a oneDNN build; a no-op
+        otherwise). Call after loading weights: a weight changed later is no longer served from
+        the packed copy (forward checks its storage and version)."""
+        weight = self.weight.detach()
+        self.packed = self._packed_key = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _HAS_ONEDNN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+            self._packed_key = (weight.data_ptr(), weight._version)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         parts = math.gcd(self.out_features, torch.get_num_threads())
-        if x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or parts == 1:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)
-        blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
-        if rows <= _GEMV_MAX_ROWS:  # [P, out / P, rows]
-            out = torch.bmm(blocks, flat.t().expand(parts, -1, -1)).permute(2, 0, 1)
-        else:  # [P, rows, out / P]
-            out = torch.bmm(flat.expand(parts, -1, -1), blocks.transpose(1, 2)).transpose(0, 1)
-        out = out.contiguous().view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+        if rows <= _GEMV_MAX_ROWS and parts > 1:
+            flat = x.reshape(rows, self.in_features)
+            blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
+            out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
+            out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
+        if self.packed is not None and self._packed_key == (
+            self.weight.data_ptr(),
+            self.weight._version,
+        ):
+            flat = x.reshape(rows, self.in_features)
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
