@@ -3,10 +3,10 @@
 One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head,
 each with its own weight (as in a real step, the weights stream from memory rather than sit in
 cache). ``F.linear`` is what HF transformers calls; ``Linear`` (engine/models/layers.py) splits
-the weight's rows across the CPU threads for up to a few hundred rows. The two are timed
-alternately, ``--repeats`` times each, and the median is reported with the weight bandwidth and
-the FLOP rate it implies. Random weights with the shapes of the default model (SmolLM2-135M), of
---model or of --model-config.
+the weight's rows across the CPU threads for 1-2 rows and uses oneDNN with a prepacked weight
+for more. The two are timed alternately, ``--repeats`` times each, and the median is reported
+with the weight bandwidth and the FLOP rate it implies. Random weights with the shapes of the
+default model (SmolLM2-135M), of --model or of --model-config.
 
     python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]
 """
@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     with torch.device("cpu"):
         model = get_model_class(spec.config)(spec.config).eval()
     layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in layers:
+        m.prepack()  # as engine.model_loader.load_model does
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     params = sum(m.weight.numel() for m in layers)
     threads = torch.get_num_threads()
