@@ -16,9 +16,10 @@ class SpeculativeConfig:
     ``disable_batch_size``: speculation is switched off for a step when at least this many
     sequences are running or waiting. Verifying k drafts costs (k+1)x the target's tokens; once
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
-    measures the crossover (RESULTS.md): on the 2-core CPU, input-grounded prompts still gain at
-    batch 64, while open chat prompts (~10% acceptance) lose at every batch size, so the default
-    of 32 is a compromise, not a measured optimum.
+    measures the crossover (RESULTS.md): on the 2-core CPU, forced n-gram speculation on
+    input-grounded prompts gains up to batch 16 and first loses at batch 32, hence the default;
+    open chat prompts (~10% acceptance) lose at every batch size, which the per-sequence backoff
+    below limits.
 
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
     drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
