@@ -3,8 +3,8 @@
 Sized for a 2-core CPU to finish in about a quarter of an hour: throughput over batch sizes
 1..64 with both HF peers, latency at batch 1 and 4, speculative decoding (batch 1 per k, plus the
 batch sweep for the speculation threshold), the block manager's bookkeeping and the linear
-layers' row-split speed-up. Each benchmark runs in its own process; run_all.json records each
-command, its exit status and wall time.
+layers' CPU paths against F.linear. Each benchmark runs in its own process; run_all.json records
+each command, its exit status and wall time.
 
     python -m benchmarks.run_all [--quick] [--model DIR] [--output-dir DIR]
 

@@ -10,9 +10,10 @@
 2. Batch sweep, per workload: its prompts cycled to B requests, speculation forced on at every
    batch size (``disable_batch_size`` huge) vs off, and the engine default (``SpeculativeConfig``'s
    ``disable_batch_size``) at the largest B; the three take turns at each B, --sweep-repeats
-   rounds, and each keeps its fastest run. The first B where forced speculation is slower than
-   none is the measured crossover that ``disable_batch_size`` should sit below; it depends on
-   how often drafts are accepted, hence both workloads.
+   rounds, and each keeps its fastest run (so three engines are loaded at once). The first B
+   where forced speculation is slower than none is the measured crossover that
+   ``disable_batch_size`` should sit below; it depends on how often drafts are accepted, hence
+   both workloads.
 
     python -m benchmarks.spec_decode [--k-values 2,4,6,8] [--batch-sizes 1,4,16,32,64]
 """

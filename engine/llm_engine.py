@@ -387,7 +387,7 @@ class LLMEngine:
         for (sample, _, d), emitted in zip(batch, tokens, strict=True):
             if d:
                 accepted = len(emitted) - 1
-                self.backoff.record(sample.seq.seq_id, len(d), accepted)
+                self.backoff.record(sample.seq.seq_id, accepted)
                 self._num_draft_tokens += len(d)
                 self._num_accepted_tokens += accepted
                 self._num_verifications += 1

@@ -1,6 +1,9 @@
-"""Shared fixtures: tiny random HF models with a real byte-level BPE tokenizer, in tmp dirs."""
+"""Shared fixtures: tiny random HF models with a real byte-level BPE tokenizer, in tmp dirs, and
+a freshly seeded random generator."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -74,3 +77,11 @@ def tiny_llama(tmp_path_factory) -> str:
 def tiny_draft(tmp_path_factory) -> str:
     """A different, smaller random model with the same vocabulary (a draft model)."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A fresh random generator per test; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)

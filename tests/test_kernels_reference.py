@@ -13,14 +13,6 @@ from kernels import reference
 from kernels.testing import make_paged_problem
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A fresh random generator per test; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"generator seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def naive_attention(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale):
     """Token by token, head by head, position by position: the definition, nothing clever."""
     block_size, num_kv_heads = k_cache.shape[1:3]

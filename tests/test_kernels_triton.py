@@ -28,14 +28,6 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 NO_BF16 = "Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)"
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A fresh random generator per test; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"generator seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
     return float((got.double() - exact).abs().max() / exact.abs().max())
 

@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from engine.model_loader import load_model, model_kv_shape
-from engine.models import LlamaForCausalLM, get_model_class
+from engine.models import LlamaForCausalLM, get_model_class, layers
 from engine.models.layers import Linear
 
 VOCAB = 256
@@ -218,47 +218,77 @@ def test_model_is_built_on_the_context_device(name):
     assert {t.device.type for t in tensors} == {"meta"}
 
 
+needs_onednn = pytest.mark.skipif(not layers._HAS_ONEDNN, reason="torch built without oneDNN")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("prepack", [False, True])
-def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack):
+@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_onednn)])
+@pytest.mark.parametrize("out_features", [36, 35])  # 35: no row split with 2 or 4 threads
+def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack, out_features, gen):
     """1-2 rows take the row-split bmm, 3+ rows oneDNN (after prepack) or F.linear: all must
     give F.linear's product, laid out contiguously, for any row and thread count."""
-    layer = Linear(48, 36, bias=bias)
+    layer = Linear(48, out_features, bias=bias)
     if prepack:
         layer.prepack()
-        assert layer.packed is not None  # the CPU torch wheel is built with oneDNN
+        assert layer.packed is not None
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             for shape in [(1, 48), (2, 48), (3, 48), (9, 48), (300, 48), (1, 2, 48), (2, 3, 48)]:
-                x = torch.randn(shape)
+                x = torch.randn(shape, generator=gen)
                 got = layer(x)
-                assert got.shape == (*shape[:-1], 36) and got.is_contiguous()
+                assert got.shape == (*shape[:-1], out_features) and got.is_contiguous()
                 torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
     finally:
         torch.set_num_threads(saved)
 
 
-def test_packed_weight_is_not_used_once_the_weight_changes():
-    layer = Linear(32, 16, bias=False)
+@needs_onednn
+def test_packed_weight_is_only_used_while_it_is_current(gen):
+    layer = Linear(32, 16, bias=False).requires_grad_(False)
     layer.prepack()
-    x = torch.randn(5, 32)
-    with torch.no_grad():
-        layer.weight.mul_(2)  # in place: the packed copy is now stale
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-        layer.weight = torch.nn.Parameter(torch.randn(16, 32))  # replaced outright
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-        layer.prepack()
-        assert layer.packed is not None
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    x = torch.randn(5, 32, generator=gen)
+    assert layer._pack_is_current()
+    layer.weight.mul_(2)  # in place: the packed copy is now stale
+    assert not layer._pack_is_current()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    layer.weight = torch.nn.Parameter(torch.randn(16, 32, generator=gen), requires_grad=False)
+    assert not layer._pack_is_current()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    layer.prepack()
+    assert layer._pack_is_current()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    layer.double()  # moved or cast: the pack is dropped
+    assert layer.packed is None and not layer._pack_is_current()
 
 
+@needs_onednn
+def test_linear_with_trainable_weights_keeps_its_gradient(gen):
+    layer = Linear(32, 16)
+    layer.prepack()
+    x = torch.randn(5, 32, generator=gen)
+    layer(x).sum().backward()  # oneDNN's op has no autograd: F.linear must run
+    torch.testing.assert_close(layer.weight.grad, torch.ones(16, 5) @ x)
+
+
+@needs_onednn
 def test_loaded_cpu_model_is_prepacked(tmp_path):
     save_tiny(CONFIGS["llama"](), tmp_path)
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all(m._pack_is_current() for m in linears)
     bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
     assert all(m.packed is None for m in bf16.modules() if isinstance(m, Linear))
+
+
+def test_model_loads_and_runs_under_inference_mode(tmp_path):
+    save_tiny(CONFIGS["llama"](), tmp_path)
+    reference = run_schedule(load_model(str(tmp_path), dtype="float32", device="cpu").model,
+                             SCHEDULE[:2])  # fmt: skip
+    with torch.inference_mode():
+        model = load_model(str(tmp_path), dtype="float32", device="cpu").model
+    got = run_schedule(model, SCHEDULE[:2])
+    for seq in reference:
+        torch.testing.assert_close(got[seq][1], reference[seq][1])

@@ -43,11 +43,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_draft_skip": 0}
         dict(num_kv_blocks=128),
         dict(num_kv_blocks=128, max_num_batched_tokens=9),  # chunked prefill, shrunk lookahead
         dict(num_kv_blocks=14, max_num_batched_tokens=64),  # forced preemption
+        dict(num_kv_blocks=14, max_num_batched_tokens=64, max_draft_skip=16),  # default backoff
     ],
-    ids=["batch", "chunked", "preempt"],
+    ids=["batch", "chunked", "preempt", "preempt-backoff"],
 )
 def test_ngram_greedy_equals_plain_greedy(tiny_llama, plain, kwargs):
-    llm = LLM(tiny_llama, speculative_config=NGRAM, **kwargs)
+    kwargs = dict(kwargs)
+    spec = {**NGRAM, "max_draft_skip": kwargs.pop("max_draft_skip", 0)}
+    llm = LLM(tiny_llama, speculative_config=spec, **kwargs)
     assert generate(llm) == plain
     stats = llm.llm_engine.get_stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
@@ -87,14 +90,14 @@ def test_draft_backoff_doubles_on_failure_and_resets_on_success():
     assert backoff.should_draft(7)  # unknown sequence: draft
     pattern = []
     for accepted in (0, 0, 0, 0, 2, 0):
-        backoff.record(7, 3, accepted)
+        backoff.record(7, accepted)
         skipped = 0
         while not backoff.should_draft(7):
             skipped += 1
         pattern.append(skipped)
     assert pattern == [1, 2, 4, 4, 0, 1]
     assert backoff.should_draft(8)  # per sequence
-    backoff.record(8, 2, 0)
+    backoff.record(8, 0)
     backoff.release(8)
     assert backoff.should_draft(8)
     assert DraftBackoff(max_skip=0).should_draft(1)

@@ -1,7 +1,5 @@
 """Building blocks shared by the Llama-family models: Linear, RMSNorm and rotary embeddings."""
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,50 +26,85 @@ class Linear(nn.Linear):
 
     - 1-2 rows (decode at batch 1-2): MKL runs such a product on one core however many there
       are; on the 2-core dev CPU it streams weights from DRAM at ~10 GB/s, where a plain read
-      reaches ~28 GB/s. Viewing the weight's rows as P = gcd(out_features, threads) blocks and
-      calling ``bmm`` gives each block its own thread: 2-3x faster.
+      reaches ~28 GB/s. Viewing the weight's rows as P blocks (P: the largest divisor of
+      out_features up to the thread count) and calling ``bmm`` gives each block its own thread:
+      2-4x faster. With P = 1 (one thread, or no divisor) these rows take the next path.
     - 3+ rows (verification spans, batched decode, prefill): oneDNN with the weight packed into
-      its blocked layout once (``prepack``): 1.2-1.7x MKL's sgemm from 3 to 2048 rows on
-      SmolLM2-135M's shapes. Float32 only; it keeps a second copy of the weight.
+      its blocked layout once (``prepack``): 1.3-3x MKL's sgemm from 3 to 512 rows on
+      SmolLM2-135M's shapes. Float32 inference only; it keeps a second copy of the weight.
 
     Both compute the same product up to float summation order (``python -m benchmarks.linear``
-    measures them against ``F.linear``). Without ``prepack`` (or on CUDA) 3+ rows use F.linear.
+    measures them against ``F.linear``). Without a valid pack (or on CUDA) F.linear runs.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
         self.packed: torch.Tensor | None = None  # oneDNN copy of ``weight``, from prepack()
-        self._packed_key: tuple[int, int] | None = None  # (data_ptr, version) it was made from
+        # What the pack was made from: the weight Parameter, its storage and its version.
+        self._packed_from: tuple[torch.Tensor, int, int | None] | None = None
+        self._row_blocks: tuple[int, int] = (0, 1)  # (thread count, P) last computed
 
     def prepack(self) -> None:
         """Pack the current weight for oneDNN (CPU float32 weights on a oneDNN build; a no-op
-        otherwise). Call after loading weights: a weight changed later is no longer served from
-        the packed copy (forward checks its storage and version)."""
-        weight = self.weight.detach()
-        self.packed = self._packed_key = None
+        otherwise). Call after loading weights. Replacing the weight, moving or casting the
+        module, or an in-place change that bumps the weight's version retires the pack; a write
+        through ``weight.data`` or under inference mode does not: call prepack() again."""
+        weight = self.weight
+        self.packed = self._packed_from = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and _HAS_ONEDNN:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-            self._packed_key = (weight.data_ptr(), weight._version)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+            self._packed_from = (weight, weight.data_ptr(), _version(weight))
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...
+        self.packed = self._packed_from = None
+        return super()._apply(fn, recurse)
+
+    def _pack_is_current(self) -> bool:
+        if self._packed_from is None:
+            return False
+        weight, (source, ptr, version) = self.weight, self._packed_from
+        return (
+            weight is source  # compared by identity: == on tensors is elementwise
+            and weight.data_ptr() == ptr
+            and _version(weight) == version
+            and not (weight.requires_grad and torch.is_grad_enabled())  # oneDNN: no autograd
+        )
+
+    def _blocks(self) -> int:
+        threads = torch.get_num_threads()
+        if self._row_blocks[0] != threads:
+            parts = max(p for p in range(1, threads + 1) if self.out_features % p == 0)
+            self._row_blocks = (threads, parts)
+        return self._row_blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
-        parts = math.gcd(self.out_features, torch.get_num_threads())
-        if rows <= _GEMV_MAX_ROWS and parts > 1:
+        parts = self._blocks() if rows <= _GEMV_MAX_ROWS else 1
+        if parts > 1:
             flat = x.reshape(rows, self.in_features)
             blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
             out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
             out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
-        if self.packed is not None and self._packed_key == (
-            self.weight.data_ptr(),
-            self.weight._version,
-        ):
+        if self._pack_is_current():
             flat = x.reshape(rows, self.in_features)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place version counter; None for inference tensors, which do not keep one."""
+    return None if t.is_inference() else t._version
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,9 @@ token, like a plain decode step, at a higher price. On text that does not repeat
 (open chat), n-gram drafts are mostly wrong and forced speculation is slower than none
 (benchmarks/RESULTS.md). After a round with nothing accepted, a sequence skips drafting for 1
 step, then 2, 4, ... up to ``max_skip`` while its rounds keep failing; one accepted draft resets
-it. Drafting less never changes the output (verification is lossless either way), only the cost.
+it. Drafting less keeps the output distribution (verification is lossless either way); the exact
+tokens can differ only where float summation order flips a near-tie, as with any change of batch
+composition.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class _State:
 
 
 class DraftBackoff:
-    def __init__(self, max_skip: int):
+    def __init__(self, max_skip: int) -> None:
         if max_skip < 0:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
         self.max_skip = max_skip
@@ -34,8 +36,8 @@ class DraftBackoff:
         state.skip -= 1
         return False
 
-    def record(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """The outcome of a verification round of ``num_drafted`` >= 1 drafts."""
+    def record(self, seq_id: int, num_accepted: int) -> None:
+        """The outcome of a verification round: how many of its drafts were accepted."""
         state = self._states.setdefault(seq_id, _State())
         if num_accepted > 0:
             state.backoff = 0
