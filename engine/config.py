@@ -17,9 +17,10 @@ class SpeculativeConfig:
     sequences are running or waiting. Verifying k drafts costs (k+1)x the target's tokens; once
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
     measures the crossover (RESULTS.md): on the 2-core CPU, forced n-gram speculation on
-    input-grounded prompts gains up to batch 16 and first loses at batch 32, hence the default;
-    open chat prompts (~10% acceptance) lose at every batch size, which the per-sequence backoff
-    below limits.
+    input-grounded prompts gains ~1.5x at batch 1 but is within ~5% of none from batch 16 up
+    (two runs put the crossover at 32 and above 64), while on open chat prompts (~10%
+    acceptance) it loses 15-20% from batch 16 up. Off from 32 keeps it where it pays; the
+    per-sequence backoff below limits the loss on open prompts at small batches.
 
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
     drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
