@@ -17,7 +17,13 @@ from kernels.checks import check_paged_attention_args
 Backend = Literal["auto", "torch", "triton", "xformers"]
 _BACKENDS = ("auto", "torch", "triton", "xformers")
 
-__all__ = ["Backend", "paged_attention", "plan_paged_attention", "write_kv_cache"]
+__all__ = [
+    "Backend",
+    "paged_attention",
+    "plan_paged_attention",
+    "plan_write_kv_cache",
+    "write_kv_cache",
+]
 
 
 def _resolve(backend: str, device: torch.device) -> str:
@@ -30,6 +36,16 @@ def _resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
+def plan_write_kv_cache(
+    slot_mapping: torch.Tensor, k_cache: torch.Tensor, backend: Backend = "auto"
+) -> reference.KVWritePlan | None:
+    """Per-step work that every layer's write_kv_cache call would repeat (the torch backend's
+    slot validation); None for backends that need none. Pass the result as ``plan=``."""
+    if _resolve(backend, k_cache.device) != "torch":
+        return None
+    return reference.plan_write_kv_cache(slot_mapping, k_cache)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -37,13 +53,14 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: Backend = "auto",
+    plan: reference.KVWritePlan | None = None,
 ) -> None:
     """Write key/value [T, Hkv, D] into caches [N, B, Hkv, D] at slot = block * B + offset.
 
     In place; slot -1 skips the token. slot_mapping is int64 or int32.
     """
     if _resolve(backend, key.device) == "torch":
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan=plan)
         return
     from kernels.triton_kv_write import write_kv_cache as triton_write
 

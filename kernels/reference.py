@@ -23,36 +23,61 @@ import torch.nn.functional as F
 from kernels.checks import check_paged_attention_args, check_write_kv_cache_args
 
 
+@dataclass(frozen=True)
+class KVWritePlan:
+    """A step's slot_mapping, validated once and turned into the indices every layer's
+    write_kv_cache reuses (all layers write the same slots): no per-layer host syncs."""
+
+    slots: torch.Tensor  # int64 slots to write, -1 entries dropped
+    keep: torch.Tensor | None  # bool [T]: the tokens written; None when every token is
+    num_tokens: int
+
+
+def plan_write_kv_cache(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> KVWritePlan:
+    """Validate slot_mapping's values against caches shaped like ``k_cache`` (one host sync)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    slots = slot_mapping.long()
+    if slots.numel() == 0:
+        return KVWritePlan(slots, None, 0)
+    lowest, highest = torch.stack(torch.aminmax(slots)).tolist()
+    if lowest < -1 or highest >= num_blocks * block_size:
+        raise ValueError(
+            f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}) "
+            f"(num_blocks * block_size)"
+        )
+    if lowest >= 0:
+        return KVWritePlan(slots, None, slots.numel())
+    keep = slots >= 0  # -1: padding tokens, skipped
+    return KVWritePlan(slots[keep], keep, slots.numel())
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    plan: KVWritePlan | None = None,
 ) -> None:
     """Scatter key/value [T, Hkv, D] into the caches at slot = block * B + offset; -1 skips.
 
     In place. Slots other than -1 must be distinct (duplicate slots leave an unspecified winner).
+    ``plan``: from ``plan_write_kv_cache`` on the same slot_mapping (built here when None).
     """
-    check_write_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if plan is None:
+        check_write_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
+        plan = plan_write_kv_cache(slot_mapping, k_cache)
+    elif key.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan is for {plan.num_tokens} tokens, key has {key.shape[0]}")
+    if plan.keep is not None:
+        key, value = key[plan.keep], value[plan.keep]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if slot_mapping.numel() == 0:
-        return
-    lowest, highest = torch.stack(torch.aminmax(slot_mapping)).tolist()  # the one host sync
-    if lowest < -1 or highest >= num_blocks * block_size:
-        raise ValueError(
-            f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}) "
-            f"(num_blocks * block_size)"
-        )
-    slots = slot_mapping.long()
-    if lowest == -1:  # padding tokens: keep only the others
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
     for cache, new in ((k_cache, key), (v_cache, value)):
         if cache.stride(0) == block_size * cache.stride(1):  # [N, B] collapse into one slot dim
-            cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, new)
+            flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+            flat.index_copy_(0, plan.slots, new)
         else:  # index (block, offset) so that caches of any stride work
-            cache.index_put_((slots // block_size, slots % block_size), new)
+            cache.index_put_((plan.slots // block_size, plan.slots % block_size), new)
 
 
 # Gathered K/V bytes per chunk of sequences (see the module docstring). On CUDA there are no

@@ -133,6 +133,27 @@ def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, stride
     assert torch.equal(v_cache.view(-1, heads, dim), expect_v)
 
 
+def test_one_write_plan_serves_every_layer(gen):
+    """The per-step write plan (validated once, reused by all layers) writes what an unplanned
+    call writes, padding included; a plan for another token count is refused."""
+    num_blocks, block_size, heads, dim = 5, 16, 2, 8
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:12]
+    slots[torch.randperm(12, generator=gen)[:3]] = -1
+    cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen)
+    plan = kernels.plan_write_kv_cache(slots, cache, backend="torch")
+    assert plan.keep is not None and plan.slots.numel() == 9
+    for _ in range(3):  # layers: same slots, other values
+        key, value = (torch.randn(12, heads, dim, generator=gen) for _ in range(2))
+        expect = [cache.clone(), cache.clone()]
+        reference.write_kv_cache(key, value, *expect, slots)
+        got = [cache.clone(), cache.clone()]
+        kernels.write_kv_cache(key, value, *got, slots, backend="torch", plan=plan)
+        assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
+    with pytest.raises(ValueError, match="plan is for 12 tokens"):
+        reference.write_kv_cache(key[:5], value[:5], cache, cache.clone(), slots[:5], plan=plan)
+    assert kernels.plan_write_kv_cache(slots, cache, backend="triton") is None
+
+
 def _args(**changes):
     p = make_paged_problem([1, 2], [5, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     args = dict(zip(["query", "k_cache", "v_cache", "block_tables", "cu_query_lens", "seq_lens"],

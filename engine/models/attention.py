@@ -21,8 +21,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [S]: context length including this step's tokens
     block_tables: torch.Tensor  # int32 [S, M]
     backend: str = "torch"  # attention backend passed to kernels
-    # The backend's per-step plan, built by the first layer and reused by the others.
+    # The backend's per-step plans (attention, KV write), built by the first layer and reused
+    # by the others.
     plan: object | None = None
+    write_plan: object | None = None
     planned: bool = False
 
 
@@ -51,12 +53,15 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], caches [N, B, Hkv, D] -> attention output [T, Hq, D]."""
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         if not meta.planned:
+            meta.write_plan = kernels.plan_write_kv_cache(meta.slot_mapping, k_cache, meta.backend)
             meta.plan = kernels.plan_paged_attention(
                 q, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend
             )
             meta.planned = True
+        kernels.write_kv_cache(
+            k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend, plan=meta.write_plan
+        )
         return kernels.paged_attention(
             q,
             k_cache,
