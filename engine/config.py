@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "xformers")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 

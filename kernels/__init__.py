@@ -1,21 +1,23 @@
 """Paged attention and KV-cache write behind one dispatch.
 
-Backends: "torch" (kernels.reference, plain PyTorch: the CPU path), "triton" (kernels.triton_*;
-on CPU tensors it runs in Triton's interpreter, see kernels.triton_attention), "xformers" (CUDA
-only; its paged attention for attention, the Triton scatter for the cache write). "auto" picks
-"triton" for CUDA tensors and "torch" otherwise. Triton and xformers modules are imported only
-when first used, so a CPU process never imports xformers.
+Backends: "torch" (kernels.reference, plain PyTorch: the oracle and the portable CPU path),
+"cpu" (kernels.cpu_attention: a C++ kernel built on first use; the cache write is the torch
+backend's), "triton" (kernels.triton_*; on CPU tensors it runs in Triton's interpreter, see
+kernels.triton_attention), "xformers" (CUDA only; its paged attention for attention, the Triton
+scatter for the cache write). "auto" picks "triton" for CUDA tensors, "cpu" for CPU tensors of
+float32/bfloat16/float16 where the extension builds, and "torch" otherwise. Triton and xformers
+modules are imported only when first used, so a CPU process never imports xformers.
 """
 
 from typing import Literal
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 from kernels.checks import check_paged_attention_args
 
-Backend = Literal["auto", "torch", "triton", "xformers"]
-_BACKENDS = ("auto", "torch", "triton", "xformers")
+Backend = Literal["auto", "torch", "cpu", "triton", "xformers"]
+_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 
 __all__ = [
     "Backend",
@@ -26,13 +28,17 @@ __all__ = [
 ]
 
 
-def _resolve(backend: str, device: torch.device) -> str:
+def _resolve(backend: str, like: torch.Tensor) -> str:
+    """The backend that runs for tensors like ``like`` (device and dtype)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "xformers" and device.type != "cuda":
-        raise ValueError(f"backend 'xformers' needs CUDA tensors, got tensors on {device}")
+        if like.device.type == "cuda":
+            return "triton"
+        usable = like.device.type == "cpu" and like.dtype in cpu_attention.DTYPES
+        return "cpu" if usable and cpu_attention.available() else "torch"
+    if backend == "xformers" and like.device.type != "cuda":
+        raise ValueError(f"backend 'xformers' needs CUDA tensors, got tensors on {like.device}")
     return backend
 
 
@@ -41,7 +47,7 @@ def plan_write_kv_cache(
 ) -> reference.KVWritePlan | None:
     """Per-step work that every layer's write_kv_cache call would repeat (the torch backend's
     slot validation); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, k_cache.device) != "torch":
+    if _resolve(backend, k_cache) not in ("torch", "cpu"):
         return None
     return reference.plan_write_kv_cache(slot_mapping, k_cache)
 
@@ -59,7 +65,7 @@ def write_kv_cache(
 
     In place; slot -1 skips the token. slot_mapping is int64 or int32.
     """
-    if _resolve(backend, key.device) == "torch":
+    if _resolve(backend, key) in ("torch", "cpu"):
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan=plan)
         return
     from kernels.triton_kv_write import write_kv_cache as triton_write
@@ -77,7 +83,7 @@ def plan_paged_attention(
 ) -> reference.AttentionPlan | None:
     """Per-step work that every layer's paged_attention call would repeat (the torch backend's
     gather plan); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, query.device) != "torch":
+    if _resolve(backend, query) != "torch":
         return None
     check_paged_attention_args(
         query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None
@@ -104,10 +110,12 @@ def paged_attention(
     attends to positions 0..that position. block_tables [S, M] rows may be padded with any valid
     block id past ceil(seq_lens[i] / block_size) entries.
     """
-    chosen = _resolve(backend, query.device)
+    chosen = _resolve(backend, query)
     args = (query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out)
     if chosen == "torch":
         return reference.paged_attention(*args, plan=plan)
+    if chosen == "cpu":
+        return cpu_attention.paged_attention(*args)
     if chosen == "triton":
         from kernels.triton_attention import paged_attention as triton_attention
 

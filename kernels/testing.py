@@ -6,6 +6,17 @@ from dataclasses import dataclass
 import torch
 
 
+# Kernel test cases, name: (q_lens, seq_lens, query heads per KV head, block size, head dim).
+ATTENTION_CASES = {
+    "decode_block_edges": ([1] * 6, [1, 15, 16, 17, 32, 49], 4, 16, 64),
+    "verify_spans_2_to_9": ([2, 3, 4, 5, 6, 7, 8, 9], [9, 3, 70, 5, 16, 40, 8, 33], 3, 16, 32),
+    "prefill_whole_context": ([200], [200], 1, 16, 64),
+    "prefill_chunk_after_context": ([150], [300], 8, 32, 32),
+    "mixed_batch": ([1, 1, 5, 64, 0, 1, 16], [100, 17, 40, 64, 3, 1, 16], 3, 16, 128),
+    "head_dim_48": ([1, 7], [20, 7], 4, 16, 48),
+}
+
+
 @dataclass(frozen=True)
 class PagedProblem:
     """Inputs of kernels.paged_attention, laid out the way the engine lays them out."""

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference, triton_attention  # noqa: E402
+from kernels.testing import ATTENTION_CASES as CASES  # noqa: E402
 from kernels.testing import make_paged_problem  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -42,17 +43,6 @@ def check_against_reference(problem, scale, tol, num_splits=None, dtype=torch.fl
     assert not out.isnan().any(), "some output rows were not written"
     err = relative_error(out, exact)
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-
-
-# name: (q_lens, seq_lens, query heads per KV head, block size, head dim)
-CASES = {
-    "decode_block_edges": ([1] * 6, [1, 15, 16, 17, 32, 49], 4, 16, 64),
-    "verify_spans_2_to_9": ([2, 3, 4, 5, 6, 7, 8, 9], [9, 3, 70, 5, 16, 40, 8, 33], 3, 16, 32),
-    "prefill_whole_context": ([200], [200], 1, 16, 64),
-    "prefill_chunk_after_context": ([150], [300], 8, 32, 32),
-    "mixed_batch": ([1, 1, 5, 64, 0, 1, 16], [100, 17, 40, 64, 3, 1, 16], 3, 16, 128),
-    "head_dim_48": ([1, 7], [20, 7], 4, 16, 48),
-}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

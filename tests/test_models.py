@@ -118,12 +118,13 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_packed_paged_logits_match_hf(name, tmp_path):
+def test_packed_paged_logits_match_hf(name, backend, tmp_path):
     config = CONFIGS[name]()
     hf = save_tiny(config, tmp_path)
     ours = load_model(str(tmp_path), dtype="float32", device="cpu").model
-    for seq, (tokens, logits) in run_schedule(ours, SCHEDULE).items():
+    for seq, (tokens, logits) in run_schedule(ours, SCHEDULE, backend=backend).items():
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0].float()
         assert logits.dtype == torch.float32 and logits.shape == ref.shape

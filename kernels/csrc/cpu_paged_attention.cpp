@@ -1,0 +1,295 @@
+// Paged causal attention on the CPU: the "cpu" backend of kernels.paged_attention.
+//
+// The torch backend (kernels/reference.py) copies every sequence's K/V out of the paged cache
+// into a padded batch before one SDPA call; at decode that copy, plus zeroing the stale rows it
+// drags along, costs more than the attention itself. This kernel reads K/V in place through the
+// block table, once per KV head, and never touches a slot past seq_len (so stale or NaN slots
+// cannot leak in).
+//
+// Work item = (sequence, KV head, run of up to kMaxRows / G query tokens). Its rows are the
+// (token, query head) pairs that share the KV head: row r is token r / G, head kv_head * G + r % G.
+// Each item walks the cache block by block with an online softmax (flash attention): scores for
+// the block's positions, a running max m and sum l per row, and acc rescaled when m grows. Every
+// row sees position 0, so after the first block m is finite and later fully masked blocks are
+// no-ops (alpha = 1, weights 0). Accumulation is in float32 whatever the cache dtype.
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxRows = 32;  // query rows per work item (tokens x heads of one KV head)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t tokens_per_item(int64_t group) { return std::max<int64_t>(1, kMaxRows / group); }
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;  // first KV head
+  int64_t num_kv_heads;
+  int64_t first_token;  // row of query/out
+  int64_t num_tokens;
+  int64_t first_pos;  // position of first_token in its sequence
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  }
+  float sum = at::vec::vec_reduce_all([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
+  const Vec a(alpha);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    at::vec::fmadd(a, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  }
+  for (; d < n; ++d) y[d] += alpha * x[d];
+}
+
+// Asks for the item's rows of a cache block ahead of use: blocks sit at random addresses, so the
+// hardware prefetcher cannot guess the next one, and waiting on those misses dominated the kernel.
+template <typename T>
+inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const char* row = reinterpret_cast<const char*>(block + j * row_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+// A cache row as float32: the row itself for float caches, else converted into buf.
+template <typename T>
+inline const float* as_float(const T* row, float* buf, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* row, float*, int64_t) {
+  return row;
+}
+
+template <typename T>
+struct Problem {
+  const T* query;
+  const T* k_cache;
+  const T* v_cache;
+  T* out;
+  const int64_t* block_tables;
+  int64_t q_stride[2], out_stride[2], cache_stride[3], table_stride;
+  int64_t group, head_dim, block_size;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l, row;
+  Scratch(int64_t rows, int64_t head_dim, int64_t block_size)
+      : q(rows * head_dim),
+        acc(rows * head_dim),
+        scores(rows * block_size),
+        m(rows),
+        l(rows),
+        row(head_dim) {}
+};
+
+template <typename T>
+void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
+  const int64_t G = p.group, D = p.head_dim, B = p.block_size;
+  const int64_t heads_rows = w.num_kv_heads * G;  // rows per token
+  const int64_t rows = w.num_tokens * heads_rows;
+  // Row r: token r / heads_rows, query head first_head + r % heads_rows, KV head that / G.
+  const int64_t first_head = w.kv_head * G;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = p.query + (w.first_token + r / heads_rows) * p.q_stride[0] +
+                   (first_head + r % heads_rows) * p.q_stride[1];
+    for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+  }
+  std::fill_n(s.acc.begin(), rows * D, 0.f);
+  std::fill_n(s.m.begin(), rows, kNegInf);
+  std::fill_n(s.l.begin(), rows, 0.f);
+
+  const int64_t* table = p.block_tables + w.seq * p.table_stride;
+  const int64_t last_pos = w.first_pos + w.num_tokens - 1;
+  for (int64_t base = 0; base <= last_pos; base += B) {
+    const int64_t block_offset = table[base / B] * p.cache_stride[0] + w.kv_head * p.cache_stride[2];
+    const int64_t n = std::min(B, last_pos + 1 - base);  // positions of this block in use
+    if (base + B <= last_pos) {
+      const int64_t next = table[base / B + 1] * p.cache_stride[0] + w.kv_head * p.cache_stride[2];
+      const int64_t next_n = std::min(B, last_pos + 1 - base - B);
+      const int64_t row_bytes = w.num_kv_heads * p.cache_stride[2] * sizeof(T);
+      prefetch_block(p.k_cache + next, next_n, p.cache_stride[1], row_bytes);
+      prefetch_block(p.v_cache + next, next_n, p.cache_stride[1], row_bytes);
+    }
+    for (int64_t r = 0; r < rows; ++r) std::fill_n(s.scores.data() + r * B + n, B - n, kNegInf);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+        const float* k = as_float(
+            p.k_cache + block_offset + j * p.cache_stride[1] + h * p.cache_stride[2],
+            s.row.data(), D);
+        for (int64_t t = 0; t < w.num_tokens; ++t) {
+          const bool visible = base + j <= w.first_pos + t;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = t * heads_rows + h * G + g;
+            s.scores[r * B + j] = visible ? dot(s.q.data() + r * D, k, D) : kNegInf;
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // online softmax: scores become weights
+      float* score = s.scores.data() + r * B;
+      const float block_max = at::vec::reduce_all<float>(
+          [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
+      const float m_new = std::max(s.m[r], block_max);
+      const float alpha = std::exp(s.m[r] - m_new);  // 0 on the first block
+      at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, score, score, B);
+      const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
+      s.l[r] = s.l[r] * alpha + sum;
+      s.m[r] = m_new;
+      if (alpha != 1.f) {
+        float* acc = s.acc.data() + r * D;
+        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+        const float* v = as_float(
+            p.v_cache + block_offset + j * p.cache_stride[1] + h * p.cache_stride[2],
+            s.row.data(), D);
+        for (int64_t t = 0; t < w.num_tokens; ++t) {
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = t * heads_rows + h * G + g;
+            const float weight = s.scores[r * B + j];
+            if (weight != 0.f) axpy(weight, v, s.acc.data() + r * D, D);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = p.out + (w.first_token + r / heads_rows) * p.out_stride[0] +
+             (first_head + r % heads_rows) * p.out_stride[1];
+    const float inv = 1.f / s.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(s.acc[r * D + d] * inv);
+  }
+}
+
+// Splits the spans into work items after checking the values the shape checks cannot see.
+//
+// A span whose rows for every head fit kMaxRows (decode, short verify spans) is one item over all
+// KV heads: it then reads each cache block as one contiguous run, which the hardware prefetcher
+// streams; this needs enough sequences to keep every thread busy. Longer spans (prefill chunks)
+// are cut per KV head into runs of kMaxRows / G tokens, so that each K/V row serves many rows.
+std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
+                                 const at::Tensor& block_tables, int64_t num_tokens,
+                                 int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t group) {
+  const auto cu = cu_query_lens.accessor<int64_t, 1>();
+  const auto kv = seq_lens.accessor<int64_t, 1>();
+  const auto table = block_tables.accessor<int64_t, 2>();
+  const int64_t num_seqs = kv.size(0);
+  TORCH_CHECK_VALUE(cu[0] == 0 && cu[num_seqs] == num_tokens,
+                    "cu_query_lens must start at 0, be non-decreasing and end at num_tokens=",
+                    num_tokens);
+  int64_t num_spans = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = cu[i + 1] - cu[i];
+    TORCH_CHECK_VALUE(q_len >= 0,
+                      "cu_query_lens must start at 0, be non-decreasing and end at num_tokens=",
+                      num_tokens);
+    TORCH_CHECK_VALUE(kv[i] >= q_len, "seq_lens[i] must be >= the query span length of sequence i");
+    const int64_t used_blocks = (kv[i] + block_size - 1) / block_size;
+    TORCH_CHECK_VALUE(used_blocks <= table.size(1),
+                      "seq_lens must be <= block_tables.shape[1] * block_size = ",
+                      table.size(1) * block_size, ", got ", kv[i]);
+    for (int64_t b = 0; q_len > 0 && b < used_blocks; ++b) {
+      TORCH_CHECK_VALUE(table[i][b] >= 0 && table[i][b] < num_blocks,
+                        "block_tables entries in use must be in [0, ", num_blocks,
+                        ") (num_blocks), got ", table[i][b]);
+    }
+    num_spans += q_len > 0;
+  }
+  const bool many_spans = num_spans >= 2 * omp_get_max_threads();
+  const int64_t step = tokens_per_item(group);
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = cu[i + 1] - cu[i];
+    const int64_t ctx = kv[i] - q_len;
+    if (q_len == 0) continue;
+    if (many_spans && q_len * num_kv_heads * group <= kMaxRows) {
+      items.push_back({i, 0, num_kv_heads, cu[i], q_len, ctx});
+      continue;
+    }
+    for (int64_t t = 0; t < q_len; t += step) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        items.push_back({i, h, 1, cu[i] + t, std::min(step, q_len - t), ctx + t});
+      }
+    }
+  }
+  // Longest contexts first, so that dynamic scheduling ends with the short items.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.first_pos + a.num_tokens > b.first_pos + b.num_tokens;
+  });
+  return items;
+}
+
+template <typename T>
+void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel if (num_items > 1)
+  {
+    Scratch scratch(std::max(kMaxRows, p.group), p.head_dim, p.block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
+  }
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  // Shapes, dtypes and strides were checked by kernels.checks; values are checked here.
+  const auto tables = block_tables.to(at::kLong).contiguous();
+  const int64_t num_heads = query.size(1), num_kv_heads = k_cache.size(2);
+  const auto items = plan_items(cu_query_lens.to(at::kLong), seq_lens.to(at::kLong), tables,
+                                query.size(0), k_cache.size(0), k_cache.size(1), num_kv_heads,
+                                num_heads / num_kv_heads);
+  TORCH_CHECK_VALUE(k_cache.strides() == v_cache.strides(), "k_cache and v_cache strides differ");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "the cpu backend supports float32, bfloat16 and float16, got ", dtype);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention",
+                                  [&] {
+                                    Problem<scalar_t> p{
+                                        query.data_ptr<scalar_t>(),
+                                        k_cache.data_ptr<scalar_t>(),
+                                        v_cache.data_ptr<scalar_t>(),
+                                        out.data_ptr<scalar_t>(),
+                                        tables.data_ptr<int64_t>(),
+                                        {query.stride(0), query.stride(1)},
+                                        {out.stride(0), out.stride(1)},
+                                        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                                        tables.stride(0),
+                                        num_heads / num_kv_heads,
+                                        k_cache.size(3),
+                                        k_cache.size(1),
+                                        static_cast<float>(scale)};
+                                    run(p, items);
+                                  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Paged causal attention over packed query spans; writes out in place");
+}

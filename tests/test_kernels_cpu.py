@@ -1,0 +1,133 @@
+"""The C++ CPU kernel (backend "cpu") against kernels.reference computed in float64.
+
+Problems come from kernels.testing.make_paged_problem, which poisons every cache slot no sequence
+owns with NaN: a kernel that reads past seq_len or past a table row's used entries fails here.
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_attention, reference
+from kernels.testing import ATTENTION_CASES, make_paged_problem
+
+# Extra shapes for this kernel's own edges: more query rows per KV head than one work item holds
+# (32), a head dim that is not a multiple of the SIMD width, block size 1.
+CASES = {
+    **ATTENTION_CASES,
+    "group_40_head_dim_24": ([3, 1], [20, 7], 40, 16, 24),
+    "block_size_1": ([1, 4, 2], [5, 4, 9], 2, 1, 16),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def run_kernel(problem, scale, dtype=torch.float32):
+    """The kernel on NaN-poisoned output; returns (out, float64 reference)."""
+    exact = reference.paged_attention(*problem.to(torch.float64).args(), scale)
+    low = problem.to(dtype)
+    out = torch.full_like(low.query, float("nan"))
+    got = cpu_attention.paged_attention(*low.args(), scale, out=out)
+    assert got is out
+    assert not out.isnan().any(), "some output rows were not written"
+    return out, exact
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_kernel_matches_reference(case, dtype, gen):
+    q_lens, seq_lens, group, block_size, head_dim = CASES[case]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, generator=gen, table_padding=3,
+    )  # fmt: skip
+    out, exact = run_kernel(p, head_dim**-0.5, dtype)
+    assert relative_error(out, exact) <= TOLERANCE[dtype]
+
+
+def test_cpu_kernel_random_batch(gen):
+    num_seqs = int(torch.randint(1, 40, (), generator=gen))
+    seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
+    q_lens = [int(torch.randint(0, min(s, 40) + 1, (), generator=gen)) for s in seq_lens]
+    q_lens[0] = max(q_lens[0], 1)
+    group = [1, 3, 4, 8][int(torch.randint(0, 4, (), generator=gen))]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=3 * group, num_kv_heads=3, head_dim=64, block_size=16,
+        generator=gen,
+    )  # fmt: skip
+    out, exact = run_kernel(p, float(torch.rand((), generator=gen)) + 0.05)
+    assert relative_error(out, exact) <= 1e-5
+
+
+def test_cpu_kernel_same_bits_for_any_thread_count(gen):
+    """Work is split differently with many threads (whole sequences) than with one (per KV head);
+    every output row must still be computed in the same order."""
+    p = make_paged_problem(
+        [1] * 12 + [9], torch.randint(1, 200, (13,), generator=gen).tolist(), num_heads=8,
+        num_kv_heads=2, head_dim=32, block_size=16, generator=gen,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 8):
+            torch.set_num_threads(n)
+            results.append(cpu_attention.paged_attention(*p.args(), 0.2))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+def test_cpu_kernel_strided_query_and_out_int64_indices(gen):
+    p = make_paged_problem(
+        [3, 1], [20, 33], num_heads=6, num_kv_heads=2, head_dim=32, block_size=16, generator=gen
+    )
+    # The query as a view of a fused QKV projection: token stride larger than heads * dim.
+    qkv = torch.randn(4, 10, 32, generator=gen)
+    qkv[:, :6] = p.query
+    out = torch.full((4, 7, 32), float("nan"))
+    args = [qkv[:, :6], *p.args()[1:3], *(t.long() for t in p.args()[3:])]
+    kernels.paged_attention(*args, 0.3, out=out[:, 1:], backend="cpu")
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 0.3)
+    assert relative_error(out[:, 1:], exact) <= 1e-5
+    assert out[:, 0].isnan().all(), "wrote outside out"
+
+
+def _problem():
+    return make_paged_problem([1, 2], [5, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("block_tables", lambda p: p.block_tables.fill_(99)),
+        ("block_tables", lambda p: p.block_tables.fill_(-1)),
+        ("seq_lens", lambda p: p.seq_lens.copy_(torch.tensor([1, 1]))),
+        ("seq_lens", lambda p: p.seq_lens.copy_(torch.tensor([5, 90]))),
+        ("cu_query_lens", lambda p: p.cu_query_lens.copy_(torch.tensor([0, 2, 1]))),
+        ("cu_query_lens", lambda p: p.cu_query_lens.copy_(torch.tensor([1, 1, 3]))),
+    ],
+)
+def test_cpu_kernel_rejects_bad_values(field, change):
+    p = _problem()
+    change(p)
+    with pytest.raises(ValueError, match=field):
+        cpu_attention.paged_attention(*p.args(), 1.0)
+
+
+def test_cpu_kernel_rejects_unsupported_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_attention.paged_attention(*_problem().to(torch.float64).args(), 1.0)
+
+
+def test_auto_picks_cpu_kernel_for_cpu_float_tensors(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(a) or a[0])
+    p = _problem()
+    kernels.paged_attention(*p.args(), 1.0)
+    assert len(calls) == 1
+    kernels.paged_attention(*p.to(torch.float64).args(), 1.0)  # float64: the torch backend
+    assert len(calls) == 1
+    assert kernels.plan_paged_attention(*p.args()[:2], *p.args()[3:]) is None
