@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Kernel test cases, name: (q_lens, seq_lens, query heads per KV head, block size, head dim).
 ATTENTION_CASES = {
     "decode_block_edges": ([1] * 6, [1, 15, 16, 17, 32, 49], 4, 16, 64),
