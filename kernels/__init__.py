@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_extension, reference
 from kernels.checks import check_paged_attention_args
 
 Backend = Literal["auto", "torch", "cpu", "triton", "xformers"]
@@ -36,7 +36,7 @@ def _resolve(backend: str, like: torch.Tensor) -> str:
         if like.device.type == "cuda":
             return "triton"
         usable = like.device.type == "cpu" and like.dtype in cpu_attention.DTYPES
-        return "cpu" if usable and cpu_attention.available() else "torch"
+        return "cpu" if usable and cpu_extension.available() else "torch"
     if backend == "xformers" and like.device.type != "cuda":
         raise ValueError(f"backend 'xformers' needs CUDA tensors, got tensors on {like.device}")
     return backend

@@ -1,10 +1,18 @@
-"""Building blocks shared by the Llama-family models: Linear, RMSNorm and rotary embeddings."""
+"""Building blocks shared by the Llama-family models: Linear, RMSNorm, rotary embeddings and the
+SwiGLU activation.
+
+RMSNorm, rope and SwiGLU run as single fused C++ ops (kernels/csrc/cpu_layer_ops.cpp) on float32
+CPU inference tensors when the extension is available, and as the PyTorch formulas otherwise
+(CUDA, other dtypes, autograd); both compute the same values up to float rounding.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
 # which has no single meaning in a packed batch of sequences of different lengths.
@@ -102,6 +110,15 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _fused_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether the fused C++ ops take these tensors: float32 on the CPU, no autograd."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and cpu_extension.available()
+    )
+
+
 def _version(t: torch.Tensor) -> int | None:
     """The in-place version counter; None for inference tensors, which do not keep one."""
     return None if t.is_inference() else t._version
@@ -116,6 +133,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_cpu(x, self.weight):
+            return cpu_extension.load().rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -164,6 +183,16 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope on x [T, H, D] with cos/sin [T, D] (HF's non-interleaved layout)."""
+    if _fused_cpu(x, cos, sin):
+        return cpu_extension.load().rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: silu(gate) * up for gate_up [..., 2I] = [gate | up] -> [..., I]."""
+    if _fused_cpu(gate_up):
+        return cpu_extension.load().silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

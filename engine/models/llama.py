@@ -8,12 +8,11 @@ paged KV cache and ``AttentionMetadata``. q/k/v and gate/up are fused into singl
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 _STACKED = (
@@ -92,8 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -16,7 +16,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
-#include <torch/extension.h>
+
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <limits>
@@ -254,6 +255,8 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   }
 }
 
+}  // namespace
+
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
                      const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -285,11 +288,4 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                                         static_cast<float>(scale)};
                                     run(p, items);
                                   });
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "Paged causal attention over packed query spans; writes out in place");
 }

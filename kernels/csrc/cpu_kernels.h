@@ -1,0 +1,18 @@
+// The C++ CPU kernels behind kernels.cpu_extension (bindings.cpp exposes them to Python).
+#pragma once
+
+#include <torch/extension.h>
+
+// kernels.paged_attention's contract (see kernels/__init__.py); writes out in place.
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+// weight * x / sqrt(mean(x^2) + eps) over the last dim, float32 (HF's LlamaRMSNorm).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// x * cos + rotate_half(x) * sin for x [T, H, D] (any token/head strides) and cos/sin [T, D].
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// silu(gate) * up for gate_up [T, 2I] = [gate | up]; returns [T, I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up);

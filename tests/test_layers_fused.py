@@ -1,0 +1,72 @@
+"""The fused C++ layer ops (RMSNorm, rope, SwiGLU) against the PyTorch formulas they replace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models import layers
+from kernels import cpu_extension
+
+
+def formula(monkeypatch, fn, *args):
+    """fn's PyTorch path, with the extension hidden (float64 inputs: the exact value)."""
+    with monkeypatch.context() as m:
+        m.setattr(cpu_extension, "available", lambda: False)
+        return fn(*(a.double() for a in args)).float()
+
+
+def close(got: torch.Tensor, exact: torch.Tensor, tol: float = 2e-6) -> bool:
+    return float((got.double() - exact.double()).abs().max() / exact.abs().max()) <= tol
+
+
+def test_fused_ops_are_used_on_cpu_float32():
+    x = torch.randn(2, 8)
+    assert layers._fused_cpu(x)
+    assert not layers._fused_cpu(x.double())
+    assert not layers._fused_cpu(x.bfloat16())
+    assert not layers._fused_cpu(x.requires_grad_())
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 3, 24)])
+def test_fused_rms_norm_matches_formula(shape, gen, monkeypatch):
+    norm = layers.RMSNorm(shape[-1], eps=1e-5)
+    norm.weight.data = torch.randn(shape[-1], generator=gen)
+    x = torch.randn(shape, generator=gen) * 3
+    with torch.no_grad():
+        got = norm(x)
+        exact = formula(monkeypatch, norm.double(), x)
+    assert got.shape == x.shape and close(got, exact)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_fused_rotary_matches_formula_on_a_qkv_view(head_dim, gen, monkeypatch):
+    tokens, heads = 7, 5
+    qkv = torch.randn(tokens, heads + 2, head_dim, generator=gen)
+    x = qkv[:, 1 : heads + 1]  # token stride != heads * head_dim
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    got = layers.apply_rotary(x, cos, sin)
+    assert got.shape == x.shape
+    assert close(got, formula(monkeypatch, layers.apply_rotary, x, cos, sin))
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (9, 2 * 40), (2, 3, 2 * 17)])
+def test_fused_silu_and_mul_matches_formula(shape, gen, monkeypatch):
+    gate_up = torch.randn(shape, generator=gen) * 4
+    got = layers.silu_and_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert got.shape == gate.shape
+    assert close(got, F.silu(gate) * up)
+    assert close(got, formula(monkeypatch, layers.silu_and_mul, gate_up))
+
+
+def test_fused_ops_reject_other_dtypes_with_a_clear_error():
+    ext = cpu_extension.load()
+    with pytest.raises(ValueError, match="float32"):
+        ext.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        ext.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-6)
+    with pytest.raises(ValueError, match="cos"):
+        ext.rotary(torch.ones(2, 1, 4), torch.ones(3, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="even"):
+        ext.silu_and_mul(torch.ones(2, 5))
