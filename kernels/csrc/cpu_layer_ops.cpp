@@ -44,7 +44,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       const float* xi = src + i * dim;
       const float sum_sq = at::vec::map_reduce_all<float>(
           [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, xi, dim);
-      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + static_cast<float>(eps));
+      const float mean_sq = sum_sq / static_cast<float>(dim);
+      const float inv_rms = 1.f / std::sqrt(mean_sq + static_cast<float>(eps));
       // HF rounds x * inv_rms before the weight multiplies it.
       at::vec::map2([inv_rms](Vec v, Vec g) { return g * (v * Vec(inv_rms)); }, dst + i * dim, xi,
                     wp, dim);

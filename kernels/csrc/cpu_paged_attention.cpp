@@ -6,12 +6,14 @@
 // block table, once per KV head, and never touches a slot past seq_len (so stale or NaN slots
 // cannot leak in).
 //
-// Work item = (sequence, KV head, run of up to kMaxRows / G query tokens). Its rows are the
-// (token, query head) pairs that share the KV head: row r is token r / G, head kv_head * G + r % G.
-// Each item walks the cache block by block with an online softmax (flash attention): scores for
-// the block's positions, a running max m and sum l per row, and acc rescaled when m grows. Every
-// row sees position 0, so after the first block m is finite and later fully masked blocks are
-// no-ops (alpha = 1, weights 0). Accumulation is in float32 whatever the cache dtype.
+// Work item = (sequence, KV heads, run of query tokens); its rows are the (token, query head)
+// pairs of those KV heads (see plan_items for how spans are cut). Each item walks the sequence's
+// blocks in order with an online softmax (flash attention): per block, a row's scores over the
+// positions it may see, its running max m and sum l, and acc = acc * alpha + weights . V kept in
+// registers across the block's positions. Every row sees position 0, so m is finite from the
+// first block on. The next block is prefetched while this one is computed: blocks sit at random
+// addresses, and waiting on their cache misses dominated the kernel before. Accumulation is in
+// float32 whatever the cache dtype.
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -51,17 +53,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
-  const Vec a(alpha);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    at::vec::fmadd(a, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
-  }
-  for (; d < n; ++d) y[d] += alpha * x[d];
-}
-
-// Asks for the item's rows of a cache block ahead of use: blocks sit at random addresses, so the
-// hardware prefetcher cannot guess the next one, and waiting on those misses dominated the kernel.
+// Asks for the item's rows of a cache block ahead of use (the hardware cannot guess the next one).
 template <typename T>
 inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int64_t row_bytes) {
   for (int64_t j = 0; j < rows; ++j) {
@@ -89,25 +81,28 @@ struct Problem {
   T* out;
   const int64_t* block_tables;
   int64_t q_stride[2], out_stride[2], cache_stride[3], table_stride;
-  int64_t group, head_dim, block_size;
+  int64_t group, num_kv_heads, head_dim, block_size;
   float scale;
 };
 
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, row;
-  Scratch(int64_t rows, int64_t head_dim, int64_t block_size)
+  std::vector<float> q, acc, scores, m, l, rows_buf;
+  std::vector<const float*> k_rows, v_rows;  // [kv head][position] of the current block
+  Scratch(int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size)
       : q(rows * head_dim),
         acc(rows * head_dim),
         scores(rows * block_size),
         m(rows),
         l(rows),
-        row(head_dim) {}
+        rows_buf(2 * num_kv_heads * block_size * head_dim),
+        k_rows(num_kv_heads * block_size),
+        v_rows(num_kv_heads * block_size) {}
 };
 
 template <typename T>
 void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
-  const int64_t G = p.group, D = p.head_dim, B = p.block_size;
-  const int64_t heads_rows = w.num_kv_heads * G;  // rows per token
+  const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
+  const int64_t heads_rows = H * G;  // rows per token
   const int64_t rows = w.num_tokens * heads_rows;
   // Row r: token r / heads_rows, query head first_head + r % heads_rows, KV head that / G.
   const int64_t first_head = w.kv_head * G;
@@ -123,32 +118,34 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int64_t* table = p.block_tables + w.seq * p.table_stride;
   const int64_t last_pos = w.first_pos + w.num_tokens - 1;
   for (int64_t base = 0; base <= last_pos; base += B) {
-    const int64_t block_offset = table[base / B] * p.cache_stride[0] + w.kv_head * p.cache_stride[2];
+    const int64_t head_offset = w.kv_head * p.cache_stride[2];
+    const int64_t block_offset = table[base / B] * p.cache_stride[0] + head_offset;
     const int64_t n = std::min(B, last_pos + 1 - base);  // positions of this block in use
     if (base + B <= last_pos) {
-      const int64_t next = table[base / B + 1] * p.cache_stride[0] + w.kv_head * p.cache_stride[2];
+      const int64_t next = table[base / B + 1] * p.cache_stride[0] + head_offset;
       const int64_t next_n = std::min(B, last_pos + 1 - base - B);
-      const int64_t row_bytes = w.num_kv_heads * p.cache_stride[2] * sizeof(T);
+      const int64_t row_bytes = H * p.cache_stride[2] * sizeof(T);
       prefetch_block(p.k_cache + next, next_n, p.cache_stride[1], row_bytes);
       prefetch_block(p.v_cache + next, next_n, p.cache_stride[1], row_bytes);
     }
-    for (int64_t r = 0; r < rows; ++r) std::fill_n(s.scores.data() + r * B + n, B - n, kNegInf);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        const float* k = as_float(
-            p.k_cache + block_offset + j * p.cache_stride[1] + h * p.cache_stride[2],
-            s.row.data(), D);
-        for (int64_t t = 0; t < w.num_tokens; ++t) {
-          const bool visible = base + j <= w.first_pos + t;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = t * heads_rows + h * G + g;
-            s.scores[r * B + j] = visible ? dot(s.q.data() + r * D, k, D) : kNegInf;
-          }
-        }
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t offset = block_offset + j * p.cache_stride[1] + h * p.cache_stride[2];
+        float* buf = s.rows_buf.data() + 2 * (h * B + j) * D;
+        s.k_rows[h * B + j] = as_float(p.k_cache + offset, buf, D);
+        s.v_rows[h * B + j] = as_float(p.v_cache + offset, buf + D, D);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {  // online softmax: scores become weights
+    // Row r sees the first visible(t) positions of the block (causal within the span).
+    const auto visible = [&](int64_t t) {
+      return std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
+    };
+    for (int64_t r = 0; r < rows; ++r) {  // scores, then online softmax: scores become weights
+      const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
       float* score = s.scores.data() + r * B;
+      const float* q = s.q.data() + r * D;
+      for (int64_t j = 0; j < seen; ++j) score[j] = dot(q, s.k_rows[h * B + j], D);
+      std::fill(score + seen, score + B, kNegInf);
       const float block_max = at::vec::reduce_all<float>(
           [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
       const float m_new = std::max(s.m[r], block_max);
@@ -157,23 +154,21 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
       const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
       s.l[r] = s.l[r] * alpha + sum;
       s.m[r] = m_new;
-      if (alpha != 1.f) {
-        float* acc = s.acc.data() + r * D;
-        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < w.num_kv_heads; ++h) {
-        const float* v = as_float(
-            p.v_cache + block_offset + j * p.cache_stride[1] + h * p.cache_stride[2],
-            s.row.data(), D);
-        for (int64_t t = 0; t < w.num_tokens; ++t) {
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = t * heads_rows + h * G + g;
-            const float weight = s.scores[r * B + j];
-            if (weight != 0.f) axpy(weight, v, s.acc.data() + r * D, D);
-          }
+      // acc = acc * alpha + sum_j weight_j * v_j, one register run per Vec of the head dim.
+      float* acc = s.acc.data() + r * D;
+      const float* const* v = s.v_rows.data() + h * B;
+      int64_t d = 0;
+      for (; d + Vec::size() <= D; d += Vec::size()) {
+        Vec a = Vec::loadu(acc + d) * Vec(alpha);
+        for (int64_t j = 0; j < seen; ++j) {
+          a = at::vec::fmadd(Vec(score[j]), Vec::loadu(v[j] + d), a);
         }
+        a.store(acc + d);
+      }
+      for (; d < D; ++d) {
+        float a = acc[d] * alpha;
+        for (int64_t j = 0; j < seen; ++j) a += score[j] * v[j][d];
+        acc[d] = a;
       }
     }
   }
@@ -249,7 +244,7 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel if (num_items > 1)
   {
-    Scratch scratch(std::max(kMaxRows, p.group), p.head_dim, p.block_size);
+    Scratch scratch(std::max(kMaxRows, p.group), p.num_kv_heads, p.head_dim, p.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
   }
@@ -283,6 +278,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                                         {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                                         tables.stride(0),
                                         num_heads / num_kv_heads,
+                                        num_kv_heads,
                                         k_cache.size(3),
                                         k_cache.size(1),
                                         static_cast<float>(scale)};
