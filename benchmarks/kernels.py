@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from benchmarks import roofline
 from kernels import reference
 from kernels.testing import PagedProblem, make_paged_problem
 
@@ -167,8 +168,20 @@ def run_cuda(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     return result
 
 
+def _time_cpu(call: Callable[[], object], iters: int) -> tuple[float, float]:
+    """(median, min) seconds of ``iters`` calls after 3 warm-up calls."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times)
+
+
 def run_cpu(args: argparse.Namespace) -> dict:
-    print("CUDA is not available: timing the torch backend (the CPU serving path) only.")
+    print("CUDA is not available: timing the CPU backends (C++ 'cpu', gather + SDPA 'torch').")
     gen = torch.Generator().manual_seed(0)
     batch, layers = 64, 30
     contexts = torch.randint(100, 1001, (batch,), generator=gen).tolist()
@@ -178,34 +191,41 @@ def run_cpu(args: argparse.Namespace) -> dict:
             [span] * batch, [max(c, span) for c in contexts], num_heads=9, num_kv_heads=3,
             head_dim=64, block_size=16, generator=gen, poison_unused=False,
         )  # fmt: skip
-        out = torch.empty_like(p.query)
-        call = lambda p=p, out=out: kernels.paged_attention(*p.args(), 0.125, out=out)
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        rows.append(
-            {
-                "span": span,
-                "batch": batch,
-                "context": "uniform 100..1000",
-                "backend": "torch",
-                "median_us": seconds * 1e6,
-                "min_us": min(times) * 1e6,
-                "gb_per_s": kv_bytes(p) / seconds / 1e9,
-                "ms_per_step_30_layers": seconds * layers * 1e3,
-            }
-        )
+        for backend in ("torch", "cpu"):
+            out = torch.empty_like(p.query)
+            seconds, fastest = _time_cpu(
+                lambda p=p, out=out, b=backend: kernels.paged_attention(
+                    *p.args(), 0.125, out=out, backend=b
+                ),
+                args.iters,
+            )
+            rows.append(
+                {
+                    "span": span,
+                    "batch": batch,
+                    "context": "uniform 100..1000",
+                    "backend": backend,
+                    "median_us": seconds * 1e6,
+                    "min_us": fastest * 1e6,
+                    "gb_per_s": kv_bytes(p) / seconds / 1e9,
+                    "ms_per_step_30_layers": seconds * layers * 1e3,
+                }
+            )
+        rows[-1]["speedup_vs_torch"] = rows[-2]["median_us"] / rows[-1]["median_us"]
     shape = {"heads": 9, "kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"}
-    return {"device": "cpu", "threads": torch.get_num_threads(), "shape": shape, "rows": rows}
+    return {
+        "benchmark": "kernels",
+        "device": "cpu",
+        "machine": roofline.machine_info(torch.device("cpu"), "benchmarks.kernels"),
+        "threads": torch.get_num_threads(),
+        "shape": shape,
+        "rows": rows,
+    }
 
 
 def print_table(result: dict) -> None:
-    cols = ["span", "batch", "context", "backend", "splits", "median_us", "gb_per_s", "of_copy_bw"]
+    cols = ["span", "batch", "context", "backend", "splits", "median_us", "gb_per_s", "of_copy_bw",
+            "speedup_vs_torch"]  # fmt: skip
     print(" ".join(f"{c:>12}" for c in cols))
     for row in result["rows"]:
         if "error" in row:

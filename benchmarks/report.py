@@ -300,6 +300,28 @@ def render_linear(p: dict) -> list[str]:
     return [*lines, *_table(header, rows), ""]
 
 
+def render_kernels(p: dict) -> list[str]:
+    if p.get("device") != "cpu":
+        return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
+    shape = ", ".join(f"{k}={v}" for k, v in p["shape"].items())
+    lines = [
+        "## Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)",
+        "",
+        *_machine(p),
+        f"- one call = one layer; {shape}; batch 64, contexts uniform in 100..1000; "
+        f"{p['threads']} threads",
+        "",
+    ]
+    rows = [
+        [str(r["span"]), r["backend"], f"{r['median_us']:.0f}", f"{r['gb_per_s']:.1f}",
+         f"{r['ms_per_step_30_layers']:.1f}",
+         f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else ""]
+        for r in p["rows"]
+    ]  # fmt: skip
+    header = ["span", "backend", "median µs", "K/V GB/s", "ms per 30 layers", "vs torch"]
+    return [*lines, *_table(header, rows), ""]
+
+
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
@@ -320,6 +342,7 @@ RENDERERS = {
     "spec_decode": render_spec_decode,
     "block_manager": render_block_manager,
     "linear": render_linear,
+    "kernels": render_kernels,
     "run_all": render_run_all,
 }
 

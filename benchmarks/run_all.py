@@ -2,9 +2,10 @@
 
 Sized for a 2-core CPU to finish in about a quarter of an hour: throughput over batch sizes
 1..64 with both HF peers, latency at batch 1 and 4, speculative decoding (batch 1 per k, plus the
-batch sweep for the speculation threshold), the block manager's bookkeeping and the linear
-layers' CPU paths against F.linear. Each benchmark runs in its own process; run_all.json records
-each command, its exit status and wall time.
+batch sweep for the speculation threshold), the block manager's bookkeeping, the linear
+layers' CPU paths against F.linear and the CPU attention kernel against gather + SDPA. Each
+benchmark runs in its own process; run_all.json records each command, its exit status and wall
+time.
 
     python -m benchmarks.run_all [--quick] [--model DIR] [--output-dir DIR]
 
@@ -30,6 +31,7 @@ FULL = {
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24",
     "block_manager": "",
     "linear": "",
+    "kernels": "--spans 1,5,64 --iters 10",
 }
 QUICK = {
     "throughput": "--batch-sizes 1,4 --input-len 16:64 --output-len 8:16",
@@ -38,6 +40,7 @@ QUICK = {
     "--sweep-max-tokens 16",
     "block_manager": "--num-seqs 32 --steps 50",
     "linear": "--rows 1,8,64 --repeats 2",
+    "kernels": "--spans 1 --iters 2",
 }
 TAKES_MODEL = ("throughput", "latency", "spec_decode", "linear")
 

@@ -9,11 +9,12 @@
 // Work item = (sequence, KV heads, run of query tokens); its rows are the (token, query head)
 // pairs of those KV heads (see plan_items for how spans are cut). Each item walks the sequence's
 // blocks in order with an online softmax (flash attention): per block, a row's scores over the
-// positions it may see, its running max m and sum l, and acc = acc * alpha + weights . V kept in
-// registers across the block's positions. Every row sees position 0, so m is finite from the
-// first block on. The next block is prefetched while this one is computed: blocks sit at random
-// addresses, and waiting on their cache misses dominated the kernel before. Accumulation is in
-// float32 whatever the cache dtype.
+// positions it may see, its running max m and sum l, and acc = acc * alpha + weights . V. Items
+// with many rows on one KV head (prefill) get their products from BLAS; decode items use dot
+// products and keep acc in registers across the block. Every row sees position 0, so m is finite
+// from the first block on. The next block is prefetched while this one is computed: blocks sit at
+// random addresses, and waiting on their cache misses dominated the kernel before. Accumulation
+// is in float32 whatever the cache dtype (bf16/fp16 rows are converted block by block).
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -23,12 +24,28 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+// BLAS (MKL in torch's x86 wheels), resolved from libtorch_cpu at load time.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
 
 namespace {
 
+// Column-major C = alpha * op(A) op(B) + beta * C.
+inline void gemm(bool trans_a, int m, int n, int k, const float* a, int lda, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  const float one = 1.f;
+  sgemm_(trans_a ? "T" : "N", "N", &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kMaxRows = 32;  // query rows per work item (tokens x heads of one KV head)
+constexpr int64_t kMaxRows = 96;  // query rows per work item
+constexpr int64_t kWholeHeadsMaxRows = 32;  // rows up to which a span is one item on all heads
+constexpr int64_t kGemmMinRows = 8;  // rows of one KV head from which BLAS does the products
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t tokens_per_item(int64_t group) { return std::max<int64_t>(1, kMaxRows / group); }
@@ -140,11 +157,21 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     const auto visible = [&](int64_t t) {
       return std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
     };
+    // Many rows on one KV head (prefill, long verify spans): scores and weights . V are two
+    // small GEMMs over the block (column-major BLAS: S^T = K Q^T, acc^T += V^T W^T). Few rows
+    // (decode): dot products, where a BLAS call would cost more than its arithmetic.
+    const bool use_gemm = w.num_tokens * G >= kGemmMinRows;  // then H == 1 (see plan_items)
+    const int64_t ld = std::is_same_v<T, float> ? p.cache_stride[1] : 2 * D;  // between rows
+    if (use_gemm) {
+      gemm(true, n, rows, D, s.k_rows[0], ld, s.q.data(), D, 0.f, s.scores.data(), B);
+    }
     for (int64_t r = 0; r < rows; ++r) {  // scores, then online softmax: scores become weights
       const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
       float* score = s.scores.data() + r * B;
       const float* q = s.q.data() + r * D;
-      for (int64_t j = 0; j < seen; ++j) score[j] = dot(q, s.k_rows[h * B + j], D);
+      if (!use_gemm) {
+        for (int64_t j = 0; j < seen; ++j) score[j] = dot(q, s.k_rows[h * B + j], D);
+      }
       std::fill(score + seen, score + B, kNegInf);
       const float block_max = at::vec::reduce_all<float>(
           [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
@@ -154,8 +181,12 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
       const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
       s.l[r] = s.l[r] * alpha + sum;
       s.m[r] = m_new;
-      // acc = acc * alpha + sum_j weight_j * v_j, one register run per Vec of the head dim.
       float* acc = s.acc.data() + r * D;
+      if (use_gemm) {
+        if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
+        continue;
+      }
+      // acc = acc * alpha + sum_j weight_j * v_j, one register run per Vec of the head dim.
       const float* const* v = s.v_rows.data() + h * B;
       int64_t d = 0;
       for (; d + Vec::size() <= D; d += Vec::size()) {
@@ -171,6 +202,9 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
         acc[d] = a;
       }
     }
+    if (use_gemm) {
+      gemm(false, D, rows, n, s.v_rows[0], ld, s.scores.data(), B, 1.f, s.acc.data(), D);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = p.out + (w.first_token + r / heads_rows) * p.out_stride[0] +
@@ -182,10 +216,10 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
 
 // Splits the spans into work items after checking the values the shape checks cannot see.
 //
-// A span whose rows for every head fit kMaxRows (decode, short verify spans) is one item over all
-// KV heads: it then reads each cache block as one contiguous run, which the hardware prefetcher
-// streams; this needs enough sequences to keep every thread busy. Longer spans (prefill chunks)
-// are cut per KV head into runs of kMaxRows / G tokens, so that each K/V row serves many rows.
+// A span with few rows (decode, short verify spans) is one item over all KV heads when there are
+// enough sequences to keep every thread busy: it then reads each cache block as one contiguous
+// run, which the hardware prefetcher streams. Other spans are cut per KV head into runs of
+// kMaxRows / G tokens, so that each K/V row serves many rows (through BLAS, see attend).
 std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
                                  const at::Tensor& block_tables, int64_t num_tokens,
                                  int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
@@ -222,7 +256,10 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
     const int64_t q_len = cu[i + 1] - cu[i];
     const int64_t ctx = kv[i] - q_len;
     if (q_len == 0) continue;
-    if (many_spans && q_len * num_kv_heads * group <= kMaxRows) {
+    // The arithmetic of a row depends only on its span (not on the batch): whole-head items
+    // use dot products, and so do per-head runs of fewer than kGemmMinRows rows.
+    const bool few_rows = q_len * group < kGemmMinRows;
+    if (many_spans && few_rows && q_len * num_kv_heads * group <= kWholeHeadsMaxRows) {
       items.push_back({i, 0, num_kv_heads, cu[i], q_len, ctx});
       continue;
     }
