@@ -8,6 +8,7 @@ import json
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
+from benchmarks import kernels as kernels_bench
 from benchmarks import latency, linear, report, roofline, run_all, spec_decode, throughput
 from benchmarks.peers import PEERS
 from engine.models import LlamaForCausalLM
@@ -233,11 +234,29 @@ def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
 
 def test_run_all_commands_pass_the_model_where_taken(tmp_path):
     cmds = run_all.commands(quick=True, model="/m", output_dir=tmp_path)
-    assert set(cmds) == {"throughput", "latency", "spec_decode", "block_manager", "linear"}
+    takes_model = {"throughput", "latency", "spec_decode", "linear"}
+    assert set(cmds) == takes_model | {"block_manager", "kernels"}
     for name, cmd in cmds.items():
         assert cmd[1:3] == ["-m", f"benchmarks.{name}"]
         assert cmd[cmd.index("--output-dir") + 1] == str(tmp_path)
-        assert ("--model" in cmd) == (name != "block_manager")
+        assert ("--model" in cmd) == (name in takes_model)
     full = run_all.commands(quick=False, model=None, output_dir=tmp_path)
     sizes = full["throughput"][full["throughput"].index("--batch-sizes") + 1]
     assert throughput.parse_int_list(sizes, "batch_sizes") == [1, 4, 16, 32, 64]
+
+
+def test_cpu_kernel_benchmark_compares_both_backends_and_renders(tmp_path):
+    assert (
+        kernels_bench.main(["--spans", "1,5", "--iters", "1", "--output-dir", str(tmp_path)]) == 0
+    )
+    payload = json.loads((tmp_path / "kernels.json").read_text())
+    assert [(r["span"], r["backend"]) for r in payload["rows"]] == [
+        (1, "torch"),
+        (1, "cpu"),
+        (5, "torch"),
+        (5, "cpu"),
+    ]
+    assert all(r["median_us"] > 0 for r in payload["rows"])
+    assert payload["rows"][1]["speedup_vs_torch"] > 0
+    text = report.render(tmp_path, tmp_path / "RESULTS.md")
+    assert "C++ kernel (`cpu`) vs gather + SDPA" in text
