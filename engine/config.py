@@ -17,10 +17,11 @@ class SpeculativeConfig:
     sequences are running or waiting. Verifying k drafts costs (k+1)x the target's tokens; once
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
     measures the crossover (RESULTS.md): on the 2-core CPU, forced n-gram speculation on
-    input-grounded prompts gains ~1.5x at batch 1 but is within ~5% of none from batch 16 up
-    (two runs put the crossover at 32 and above 64), while on open chat prompts (~10%
-    acceptance) it loses 15-20% from batch 16 up. Off from 32 keeps it where it pays; the
-    per-sequence backoff below limits the loss on open prompts at small batches.
+    input-grounded prompts gains ~1.6x at batch 1, breaks even at batch 16 and loses 6-9% from
+    32 up (with the C++ CPU kernels; before them, when plain decode was slower, it broke even up
+    to 32), while on open chat prompts (~10% acceptance) it loses 15-20% from batch 16 up. Off
+    from 16 keeps it where it pays; the per-sequence backoff below limits the loss on open
+    prompts at small batches.
 
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
     drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
@@ -32,7 +33,7 @@ class SpeculativeConfig:
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
-    disable_batch_size: int = 32
+    disable_batch_size: int = 16
     max_draft_skip: int = 16
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_extension, reference
 from kernels.testing import ATTENTION_CASES, make_paged_problem
 
 # Extra shapes for this kernel's own edges: more query rows per KV head than one work item holds
@@ -133,3 +133,13 @@ def test_auto_picks_cpu_kernel_for_cpu_float_tensors(monkeypatch):
     kernels.paged_attention(*p.to(torch.float64).args(), 1.0)  # float64: the torch backend
     assert len(calls) == 1
     assert kernels.plan_paged_attention(*p.args()[:2], *p.args()[3:]) is None
+
+
+def test_unbuildable_extension_warns_and_reports_unavailable(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("g++ not found")
+
+    monkeypatch.setattr(cpu_extension, "load", no_compiler)
+    with caplog.at_level("WARNING", logger="kernels.cpu_extension"):
+        assert cpu_extension.available.__wrapped__() is False  # uncached: the real check
+    assert "g++ not found" in caplog.text
