@@ -4,8 +4,11 @@ Compiled with torch.utils.cpp_extension (g++ and ninja) into torch's extension c
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a process needs them, about
 a minute once per machine (``make setup`` does it); later processes load the cached build, and
 an edited source is rebuilt. The build targets the SIMD level torch itself dispatches to on this
-CPU (ATen's Vectorized<float>: AVX512 or AVX2) and uses torch's OpenMP thread pool, so
-torch.set_num_threads applies to the kernels too.
+CPU (ATen's Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP
+runtime where the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the
+system soname), so torch.set_num_threads applies to the kernels too. Prefill-sized attention
+products call the BLAS ``sgemm_`` that torch's x86 wheels export (MKL); a torch build without it
+cannot load the extension, and the PyTorch paths run instead.
 """
 
 import functools

@@ -143,3 +143,70 @@ def test_unbuildable_extension_warns_and_reports_unavailable(monkeypatch, caplog
     with caplog.at_level("WARNING", logger="kernels.cpu_extension"):
         assert cpu_extension.available.__wrapped__() is False  # uncached: the real check
     assert "g++ not found" in caplog.text
+
+
+def _relayout(cache: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """The same values in memory laid out in ``order`` (a permutation of the 4 dims)."""
+    return cache.permute(order).contiguous().permute([order.index(i) for i in range(4)])
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cpu_kernel_any_cache_layout_and_separate_k_v_strides(block_size, gen):
+    """Caches with other memory layouts (heads outside positions, block size 1 with an odd
+    stride), K and V laid out differently, -1 in the table padding: same result."""
+    p = make_paged_problem(
+        [8, 1, 20], [8, 30, 45], num_heads=8, num_kv_heads=2, head_dim=16,
+        block_size=block_size, generator=gen,
+    )  # fmt: skip
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 0.25)
+    k_cache, v_cache = _relayout(p.k_cache, (0, 2, 1, 3)), _relayout(p.v_cache, (2, 0, 1, 3))
+    if block_size == 1:  # a size-1 dim may carry any stride: here 1, below head_dim
+        n, _, h, d = p.k_cache.shape
+        k_cache = torch.empty(n, h, d, 1).permute(0, 3, 1, 2).copy_(p.k_cache)
+        assert k_cache.stride(1) == 1
+    tables = p.block_tables.clone()
+    tables[:, -1] = -1  # the last column is padding in every row: never read
+    got = cpu_attention.paged_attention(
+        p.query, k_cache, v_cache, tables, p.cu_query_lens, p.seq_lens, 0.25
+    )
+    assert relative_error(got, exact) <= 1e-5
+
+
+def test_cpu_kernel_span_gives_the_same_bits_alone_and_in_a_batch(gen):
+    """A prefill span (BLAS path) and a decode span (dot path) give bit-identical rows alone and
+    among other sequences: a request's numbers do not depend on its batch."""
+    shape = dict(num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, generator=gen)
+    batch = make_paged_problem([1] * 9 + [40, 1], [50] * 9 + [70, 33], **shape)
+    full = cpu_attention.paged_attention(*batch.args(), 0.2)
+    for seq, rows in ((9, slice(9, 49)), (10, slice(49, 50))):
+        alone = cpu_attention.paged_attention(
+            batch.query[rows], batch.k_cache, batch.v_cache, batch.block_tables[seq : seq + 1],
+            torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
+            batch.seq_lens[seq : seq + 1], 0.2,
+        )  # fmt: skip
+        assert torch.equal(alone, full[rows])
+
+
+def test_cpu_kernel_more_query_heads_per_kv_head_than_an_item_holds(gen):
+    p = make_paged_problem(
+        [3, 1], [40, 17], num_heads=100, num_kv_heads=1, head_dim=8, block_size=16, generator=gen
+    )
+    out, exact = run_kernel(p, 0.3)
+    assert relative_error(out, exact) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("field", "seq_lens", "cu_query_lens"),
+    [
+        ("seq_lens", [2**63 - 1], [0, 1]),
+        ("seq_lens", [-5], [0, 0]),
+        ("cu_query_lens", [5], [0, 2**62]),
+    ],
+)
+def test_cpu_kernel_extreme_values_raise_not_crash(field, seq_lens, cu_query_lens):
+    p = make_paged_problem([1], [5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)
+    args = list(p.args())
+    args[4], args[5] = torch.tensor(cu_query_lens), torch.tensor(seq_lens)
+    args[0] = args[0][: cu_query_lens[-1]]
+    with pytest.raises(ValueError, match=field):
+        cpu_attention.paged_attention(*args, 1.0)

@@ -70,3 +70,11 @@ def test_fused_ops_reject_other_dtypes_with_a_clear_error():
         ext.rotary(torch.ones(2, 1, 4), torch.ones(3, 4), torch.ones(3, 4))
     with pytest.raises(ValueError, match="even"):
         ext.silu_and_mul(torch.ones(2, 5))
+
+
+def test_fused_ops_take_empty_inputs():
+    ext = cpu_extension.load()
+    assert ext.rotary(torch.ones(3, 0, 4), torch.ones(3, 4), torch.ones(3, 4)).shape == (3, 0, 4)
+    assert ext.rotary(torch.ones(0, 2, 4), torch.ones(0, 4), torch.ones(0, 4)).shape == (0, 2, 4)
+    assert ext.silu_and_mul(torch.ones(0, 6)).shape == (0, 3)
+    assert ext.rms_norm(torch.ones(0, 4), torch.ones(4), 1e-6).shape == (0, 4)

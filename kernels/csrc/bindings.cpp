@@ -1,8 +1,11 @@
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged causal attention over packed query spans");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)");
-  m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32)");
+  // The kernels touch no Python objects: release the GIL so that other Python threads run.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, "Paged causal attention over packed query spans",
+        no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)", no_gil);
+  m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32)", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32)", no_gil);
 }

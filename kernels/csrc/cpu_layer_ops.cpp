@@ -18,7 +18,9 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kGrainElements = 32768;  // ATen's grain for elementwise ops
 
-int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / row_elements); }
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
 
 void check_float32(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,

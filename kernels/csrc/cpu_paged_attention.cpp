@@ -76,18 +76,19 @@ inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int
   for (int64_t j = 0; j < rows; ++j) {
     const char* row = reinterpret_cast<const char*>(block + j * row_stride);
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    __builtin_prefetch(row + row_bytes - 1);  // the last line, when the row is not aligned
   }
 }
 
-// A cache row as float32: the row itself for float caches, else converted into buf.
+// A cache row as float32: the row itself when float rows can be used in place, else a float32
+// copy in buf.
 template <typename T>
-inline const float* as_float(const T* row, float* buf, int64_t n) {
+inline const float* as_float(const T* row, float* buf, int64_t n, bool in_place) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (in_place) return row;
+  }
   for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
   return buf;
-}
-template <>
-inline const float* as_float<float>(const float* row, float*, int64_t) {
-  return row;
 }
 
 template <typename T>
@@ -97,9 +98,13 @@ struct Problem {
   const T* v_cache;
   T* out;
   const int64_t* block_tables;
-  int64_t q_stride[2], out_stride[2], cache_stride[3], table_stride;
+  int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], table_stride;
   int64_t group, num_kv_heads, head_dim, block_size;
   float scale;
+  // float32 cache rows are read in place when BLAS can take their stride as a leading
+  // dimension (every standard layout); otherwise, and for bf16/fp16, each block's rows are
+  // copied to float32 scratch first.
+  bool rows_in_place;
 };
 
 struct Scratch {
@@ -135,22 +140,23 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int64_t* table = p.block_tables + w.seq * p.table_stride;
   const int64_t last_pos = w.first_pos + w.num_tokens - 1;
   for (int64_t base = 0; base <= last_pos; base += B) {
-    const int64_t head_offset = w.kv_head * p.cache_stride[2];
-    const int64_t block_offset = table[base / B] * p.cache_stride[0] + head_offset;
+    const int64_t k_block = table[base / B] * p.k_stride[0] + w.kv_head * p.k_stride[2];
+    const int64_t v_block = table[base / B] * p.v_stride[0] + w.kv_head * p.v_stride[2];
     const int64_t n = std::min(B, last_pos + 1 - base);  // positions of this block in use
     if (base + B <= last_pos) {
-      const int64_t next = table[base / B + 1] * p.cache_stride[0] + head_offset;
-      const int64_t next_n = std::min(B, last_pos + 1 - base - B);
-      const int64_t row_bytes = H * p.cache_stride[2] * sizeof(T);
-      prefetch_block(p.k_cache + next, next_n, p.cache_stride[1], row_bytes);
-      prefetch_block(p.v_cache + next, next_n, p.cache_stride[1], row_bytes);
+      const int64_t next = table[base / B + 1], next_n = std::min(B, last_pos + 1 - base - B);
+      prefetch_block(p.k_cache + next * p.k_stride[0] + w.kv_head * p.k_stride[2], next_n,
+                     p.k_stride[1], H * D * sizeof(T));
+      prefetch_block(p.v_cache + next * p.v_stride[0] + w.kv_head * p.v_stride[2], next_n,
+                     p.v_stride[1], H * D * sizeof(T));
     }
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t offset = block_offset + j * p.cache_stride[1] + h * p.cache_stride[2];
         float* buf = s.rows_buf.data() + 2 * (h * B + j) * D;
-        s.k_rows[h * B + j] = as_float(p.k_cache + offset, buf, D);
-        s.v_rows[h * B + j] = as_float(p.v_cache + offset, buf + D, D);
+        s.k_rows[h * B + j] = as_float(p.k_cache + k_block + j * p.k_stride[1] + h * p.k_stride[2],
+                                       buf, D, p.rows_in_place);
+        s.v_rows[h * B + j] = as_float(p.v_cache + v_block + j * p.v_stride[1] + h * p.v_stride[2],
+                                       buf + D, D, p.rows_in_place);
       }
     }
     // Row r sees the first visible(t) positions of the block (causal within the span).
@@ -161,9 +167,10 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     // small GEMMs over the block (column-major BLAS: S^T = K Q^T, acc^T += V^T W^T). Few rows
     // (decode): dot products, where a BLAS call would cost more than its arithmetic.
     const bool use_gemm = w.num_tokens * G >= kGemmMinRows;  // then H == 1 (see plan_items)
-    const int64_t ld = std::is_same_v<T, float> ? p.cache_stride[1] : 2 * D;  // between rows
+    const int64_t ld_k = p.rows_in_place ? p.k_stride[1] : 2 * D;  // between a block's rows
+    const int64_t ld_v = p.rows_in_place ? p.v_stride[1] : 2 * D;
     if (use_gemm) {
-      gemm(true, n, rows, D, s.k_rows[0], ld, s.q.data(), D, 0.f, s.scores.data(), B);
+      gemm(true, n, rows, D, s.k_rows[0], ld_k, s.q.data(), D, 0.f, s.scores.data(), B);
     }
     for (int64_t r = 0; r < rows; ++r) {  // scores, then online softmax: scores become weights
       const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
@@ -203,7 +210,7 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
       }
     }
     if (use_gemm) {
-      gemm(false, D, rows, n, s.v_rows[0], ld, s.scores.data(), B, 1.f, s.acc.data(), D);
+      gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -228,20 +235,21 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
   const auto kv = seq_lens.accessor<int64_t, 1>();
   const auto table = block_tables.accessor<int64_t, 2>();
   const int64_t num_seqs = kv.size(0);
+  // Comparisons only (no sums that could overflow on hostile values), all before any item exists.
   TORCH_CHECK_VALUE(cu[0] == 0 && cu[num_seqs] == num_tokens,
                     "cu_query_lens must start at 0, be non-decreasing and end at num_tokens=",
                     num_tokens);
   int64_t num_spans = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = cu[i + 1] - cu[i];
-    TORCH_CHECK_VALUE(q_len >= 0,
+    TORCH_CHECK_VALUE(cu[i] <= cu[i + 1],
                       "cu_query_lens must start at 0, be non-decreasing and end at num_tokens=",
                       num_tokens);
+    const int64_t q_len = cu[i + 1] - cu[i];
     TORCH_CHECK_VALUE(kv[i] >= q_len, "seq_lens[i] must be >= the query span length of sequence i");
-    const int64_t used_blocks = (kv[i] + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(used_blocks <= table.size(1),
+    TORCH_CHECK_VALUE(kv[i] <= table.size(1) * block_size,
                       "seq_lens must be <= block_tables.shape[1] * block_size = ",
                       table.size(1) * block_size, ", got ", kv[i]);
+    const int64_t used_blocks = (kv[i] + block_size - 1) / block_size;
     for (int64_t b = 0; q_len > 0 && b < used_blocks; ++b) {
       TORCH_CHECK_VALUE(table[i][b] >= 0 && table[i][b] < num_blocks,
                         "block_tables entries in use must be in [0, ", num_blocks,
@@ -298,7 +306,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   const auto items = plan_items(cu_query_lens.to(at::kLong), seq_lens.to(at::kLong), tables,
                                 query.size(0), k_cache.size(0), k_cache.size(1), num_kv_heads,
                                 num_heads / num_kv_heads);
-  TORCH_CHECK_VALUE(k_cache.strides() == v_cache.strides(), "k_cache and v_cache strides differ");
+  const int64_t head_dim = k_cache.size(3), int_max = std::numeric_limits<int>::max();
+  TORCH_CHECK_VALUE(head_dim <= int_max / 2 && k_cache.size(1) <= int_max,
+                    "head_dim and block_size must fit BLAS int arguments");
+  const auto ld_ok = [&](const at::Tensor& t) {
+    return t.stride(1) >= head_dim && t.stride(1) <= int_max;
+  };
   const auto dtype = query.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                     "the cpu backend supports float32, bfloat16 and float16, got ", dtype);
@@ -313,12 +326,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                                         {query.stride(0), query.stride(1)},
                                         {out.stride(0), out.stride(1)},
                                         {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                                        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
                                         tables.stride(0),
                                         num_heads / num_kv_heads,
                                         num_kv_heads,
-                                        k_cache.size(3),
+                                        head_dim,
                                         k_cache.size(1),
-                                        static_cast<float>(scale)};
+                                        static_cast<float>(scale),
+                                        ld_ok(k_cache) && ld_ok(v_cache)};
                                     run(p, items);
                                   });
 }
