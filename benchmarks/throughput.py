@@ -331,7 +331,7 @@ def run(args) -> dict:
     workload = make_workload(
         max(batch_sizes) * args.waves, input_len, output_len, vocab, banned, args.seed, prompts
     )
-    warmup = make_workload(8, (16, 64), (8, 8), vocab, banned, args.seed + 1)
+    check = make_workload(2, (16, 64), (8, 8), vocab, banned, args.seed + 1)
     k = args.num_speculative_tokens if args.speculative_method else 0
 
     hf_model, peer_errors = None, {}
@@ -339,7 +339,7 @@ def run(args) -> dict:
         hf_model = peers_mod.load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
         for p in peers:  # once each, before anything is timed
             try:
-                peers_mod.run_peer(p, hf_model, warmup[:2], 2, args.max_num_batched_tokens)
+                peers_mod.run_peer(p, hf_model, check, 2, args.max_num_batched_tokens)
             except Exception as e:  # a peer that cannot run here is reported, not faked
                 peer_errors[p] = f"{type(e).__name__}: {e}"
                 print(f"{p} unavailable: {peer_errors[p]}")
@@ -347,11 +347,15 @@ def run(args) -> dict:
     results, cost = [], None
     for b in batch_sizes:
         requests = workload[: b * args.waves]
-        blocks = args.num_kv_blocks or kv_blocks_needed(requests + warmup, b, BLOCK_SIZE, k)
+        # Every system first serves B other requests of the same prompt lengths and 2 output
+        # tokens: the prefill shapes, allocator pools and (ours) KV pages are then warm, as in
+        # a server that has been running.
+        warm = make_workload(b, input_len, (2, 2), vocab, banned, args.seed + 1, prompts)
+        blocks = args.num_kv_blocks or kv_blocks_needed(requests + warm, b, BLOCK_SIZE, k)
         engine = build_engine(args, spec, b, blocks)
         if cost is None:
             cost = roofline.model_cost(engine.runner.model)
-        run_engine(engine, warmup[:b])
+        run_engine(engine, warm)
         measured = run_engine(engine, requests)
         del engine
         release_memory(device)
@@ -361,6 +365,7 @@ def run(args) -> dict:
                 systems[p] = {"error": peer_errors[p]}
                 continue
             try:
+                peers_mod.run_peer(p, hf_model, warm, b, args.max_num_batched_tokens)
                 peer_timings = peers_mod.run_peer(
                     p, hf_model, requests, b, args.max_num_batched_tokens
                 )
