@@ -46,6 +46,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxRows = 96;  // query rows per work item
 constexpr int64_t kWholeHeadsMaxRows = 32;  // rows up to which a span is one item on all heads
 constexpr int64_t kGemmMinRows = 8;  // rows of one KV head from which BLAS does the products
+constexpr int kRun = 4;  // Vecs of the head dim accumulated in independent chains
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t tokens_per_item(int64_t group) { return std::max<int64_t>(1, kMaxRows / group); }
@@ -193,9 +194,22 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
         if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
         continue;
       }
-      // acc = acc * alpha + sum_j weight_j * v_j, one register run per Vec of the head dim.
+      // acc = acc * alpha + sum_j weight_j * v_j, kept in registers across the positions: runs
+      // of kRun Vecs of the head dim (independent FMA chains, each V row read contiguously),
+      // then single Vecs, then scalars.
       const float* const* v = s.v_rows.data() + h * B;
       int64_t d = 0;
+      for (; d + kRun * Vec::size() <= D; d += kRun * Vec::size()) {
+        Vec a[kRun];
+        for (int c = 0; c < kRun; ++c) a[c] = Vec::loadu(acc + d + c * Vec::size()) * Vec(alpha);
+        for (int64_t j = 0; j < seen; ++j) {
+          const Vec weight(score[j]);
+          for (int c = 0; c < kRun; ++c) {
+            a[c] = at::vec::fmadd(weight, Vec::loadu(v[j] + d + c * Vec::size()), a[c]);
+          }
+        }
+        for (int c = 0; c < kRun; ++c) a[c].store(acc + d + c * Vec::size());
+      }
       for (; d + Vec::size() <= D; d += Vec::size()) {
         Vec a = Vec::loadu(acc + d) * Vec(alpha);
         for (int64_t j = 0; j < seen; ++j) {
