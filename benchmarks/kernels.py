@@ -9,9 +9,9 @@ measured at the start (a 1 GiB device-to-device copy, read + write bytes). Where
 split-KV path kicks in, a forced single-pass Triton row shows what it buys. Combinations that do
 not fit in free memory are skipped.
 
-CPU (no CUDA): times the torch backend, the production CPU path, on the shape the engine serves
-there (SmolLM2-135M: 9 query / 3 KV heads, head dim 64, block 16, fp32, batch 64, contexts
-uniform in 100..1000).
+CPU (no CUDA): the C++ kernel (backend "cpu", the CPU serving path) against the torch backend
+(gather + SDPA), on the shape the engine serves there (SmolLM2-135M: 9 query / 3 KV heads, head
+dim 64, block 16, fp32, batch 64, contexts uniform in 100..1000), per span length.
 
     python -m benchmarks.kernels --output-dir results/
 """

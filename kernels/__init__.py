@@ -18,6 +18,7 @@ from kernels.checks import check_paged_attention_args
 
 Backend = Literal["auto", "torch", "cpu", "triton", "xformers"]
 _BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
+_REFERENCE_WRITE = ("torch", "cpu")  # backends whose KV-cache write is kernels.reference's
 
 __all__ = [
     "Backend",
@@ -47,7 +48,7 @@ def plan_write_kv_cache(
 ) -> reference.KVWritePlan | None:
     """Per-step work that every layer's write_kv_cache call would repeat (the torch backend's
     slot validation); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, k_cache) not in ("torch", "cpu"):
+    if _resolve(backend, k_cache) not in _REFERENCE_WRITE:
         return None
     return reference.plan_write_kv_cache(slot_mapping, k_cache)
 
@@ -65,7 +66,7 @@ def write_kv_cache(
 
     In place; slot -1 skips the token. slot_mapping is int64 or int32.
     """
-    if _resolve(backend, key) in ("torch", "cpu"):
+    if _resolve(backend, key) in _REFERENCE_WRITE:
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan=plan)
         return
     from kernels.triton_kv_write import write_kv_cache as triton_write

@@ -1,4 +1,5 @@
-"""Plain-PyTorch paged attention and KV-cache write: the oracle for the kernels and the CPU path.
+"""Plain-PyTorch paged attention and KV-cache write: the oracle for the kernels, the CPU cache
+write, and the CPU attention path where the C++ kernel (kernels.cpu_attention) cannot be built.
 
 Attention is vectorised over sequences. Sequences are sorted by context length and cut into
 chunks whose gathered K/V fit a few MiB; for each chunk the K/V blocks are gathered into a padded

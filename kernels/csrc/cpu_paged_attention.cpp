@@ -309,6 +309,29 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   }
 }
 
+template <typename T>
+void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& tables, at::Tensor& out, double scale, bool rows_in_place,
+               const std::vector<WorkItem>& items) {
+  const Problem<T> p{query.data_ptr<T>(),
+                     k_cache.data_ptr<T>(),
+                     v_cache.data_ptr<T>(),
+                     out.data_ptr<T>(),
+                     tables.data_ptr<int64_t>(),
+                     {query.stride(0), query.stride(1)},
+                     {out.stride(0), out.stride(1)},
+                     {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                     {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+                     tables.stride(0),
+                     query.size(1) / k_cache.size(2),
+                     k_cache.size(2),
+                     k_cache.size(3),
+                     k_cache.size(1),
+                     static_cast<float>(scale),
+                     rows_in_place};
+  run(p, items);
+}
+
 }  // namespace
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -326,28 +349,17 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   const auto ld_ok = [&](const at::Tensor& t) {
     return t.stride(1) >= head_dim && t.stride(1) <= int_max;
   };
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                    "the cpu backend supports float32, bfloat16 and float16, got ", dtype);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention",
-                                  [&] {
-                                    Problem<scalar_t> p{
-                                        query.data_ptr<scalar_t>(),
-                                        k_cache.data_ptr<scalar_t>(),
-                                        v_cache.data_ptr<scalar_t>(),
-                                        out.data_ptr<scalar_t>(),
-                                        tables.data_ptr<int64_t>(),
-                                        {query.stride(0), query.stride(1)},
-                                        {out.stride(0), out.stride(1)},
-                                        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
-                                        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
-                                        tables.stride(0),
-                                        num_heads / num_kv_heads,
-                                        num_kv_heads,
-                                        head_dim,
-                                        k_cache.size(1),
-                                        static_cast<float>(scale),
-                                        ld_ok(k_cache) && ld_ok(v_cache)};
-                                    run(p, items);
-                                  });
+  const bool rows_in_place = ld_ok(k_cache) && ld_ok(v_cache);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return run_typed<float>(query, k_cache, v_cache, tables, out, scale, rows_in_place, items);
+    case at::kBFloat16:
+      return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, out, scale, rows_in_place,
+                                     items);
+    case at::kHalf:
+      return run_typed<at::Half>(query, k_cache, v_cache, tables, out, scale, rows_in_place, items);
+    default:
+      TORCH_CHECK_VALUE(false, "the cpu backend supports float32, bfloat16 and float16, got ",
+                        query.scalar_type());
+  }
 }
