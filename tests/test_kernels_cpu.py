@@ -12,11 +12,16 @@ from kernels import cpu_attention, cpu_extension, reference
 from kernels.testing import ATTENTION_CASES, make_paged_problem
 
 # Extra shapes for this kernel's own edges: more query rows per KV head than one work item holds
-# (32), a head dim that is not a multiple of the SIMD width, block size 1.
+# (32), head dims that are not a multiple of the SIMD width or of the 4-Vec accumulation runs,
+# block size 1, a block of two 16-position score chunks, and groups that leave 1, 2 or 3 rows
+# after the decode path's groups of 4 rows.
 CASES = {
     **ATTENTION_CASES,
     "group_40_head_dim_24": ([3, 1], [20, 7], 40, 16, 24),
     "block_size_1": ([1, 4, 2], [5, 4, 9], 2, 1, 16),
+    "decode_group_5_head_dim_40": ([1] * 6, [3, 16, 17, 40, 64, 81], 5, 16, 40),
+    "decode_group_6_head_dim_80": ([1] * 5 + [2], [1, 31, 33, 60, 77, 20], 6, 16, 80),
+    "decode_group_7_block_32": ([1] * 5 + [3], [1, 31, 32, 33, 95, 64], 7, 32, 64),
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 

@@ -10,11 +10,13 @@
 // pairs of those KV heads (see plan_items for how spans are cut). Each item walks the sequence's
 // blocks in order with an online softmax (flash attention): per block, a row's scores over the
 // positions it may see, its running max m and sum l, and acc = acc * alpha + weights . V. Items
-// with many rows on one KV head (prefill) get their products from BLAS; decode items use dot
-// products and keep acc in registers across the block. Every row sees position 0, so m is finite
-// from the first block on. The next block is prefetched while this one is computed: blocks sit at
-// random addresses, and waiting on their cache misses dominated the kernel before. Accumulation
-// is in float32 whatever the cache dtype (bf16/fp16 rows are converted block by block).
+// with many rows on one KV head (prefill) get their products from BLAS; decode items take a
+// block's scores as 16-position dot products reduced together, and add weights . V for the rows
+// of one KV head together, with acc in registers across the block. Every row sees position 0, so
+// m is finite from the first block on. The next block is prefetched into L2 while this one is
+// computed: blocks sit at random addresses, and at decode the kernel waits on memory as long as
+// it computes unless the two overlap. Accumulation is in float32 whatever the cache dtype
+// (bf16/fp16 rows are converted block by block).
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -47,6 +49,8 @@ constexpr int64_t kMaxRows = 96;  // query rows per work item
 constexpr int64_t kWholeHeadsMaxRows = 32;  // rows up to which a span is one item on all heads
 constexpr int64_t kGemmMinRows = 8;  // rows of one KV head from which BLAS does the products
 constexpr int kRun = 4;  // Vecs of the head dim accumulated in independent chains
+// Rows sharing V rows accumulated together: kRowGroup * kRun accumulators stay in registers.
+constexpr int kRowGroup = Vec::size() >= 16 ? 4 : 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t tokens_per_item(int64_t group) { return std::max<int64_t>(1, kMaxRows / group); }
@@ -71,15 +75,131 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Asks for the item's rows of a cache block ahead of use (the hardware cannot guess the next one).
-template <typename T>
-inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int64_t row_bytes) {
-  for (int64_t j = 0; j < rows; ++j) {
-    const char* row = reinterpret_cast<const char*>(block + j * row_stride);
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-    __builtin_prefetch(row + row_bytes - 1);  // the last line, when the row is not aligned
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane sums of 16 vectors as one vector: out[j] = sum(a[j]). A pairwise tree (unpack within
+// 128-bit lanes, then across them) does it in 45 shuffles and adds, where 16 separate horizontal
+// reductions would take 128 and leave their results in scalars.
+inline __m512 lane_sums_16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a2i 0+2, a2i+1 0+2, a2i 1+3, a2i+1 1+3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of a4i .. a4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 e[2];
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: [c2i 0+1, c2i 2+3, c2i+1 0+1, c2i+1 2+3]
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                       _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+}
+#endif
+
+// score[j] = q . k[j] for j < n.
+inline void block_scores(const float* q, const float* const* k, int64_t n, int64_t D,
+                         float* score) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (D % 16 == 0) {  // 16 positions at a time: 16 independent FMA chains, one lane-sum tree
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
+      const float* rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = k[j0 + (j < m ? j : 0)];  // spares repeat row 0
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(rows[j] + d), acc[j]);
+      }
+      _mm512_mask_storeu_ps(score + j0, static_cast<__mmask16>((1u << m) - 1), lane_sums_16(acc));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) score[j] = dot(q, k[j], D);
+}
+
+// acc_r = acc_r * alpha_r + sum_j weight_r[j] v[j] for R rows that share the block's V rows:
+// each V load feeds R rows, and R * kRun independent FMA chains hide the FMA latency. A row's
+// arithmetic is the same whatever R (so whatever the batch around it).
+template <int R>
+inline void accumulate_v(float* const* acc, const float* alpha, const float* const* weight,
+                         const float* const* v, int64_t seen, int64_t D) {
+  int64_t d = 0;
+  for (; d + kRun * Vec::size() <= D; d += kRun * Vec::size()) {
+    Vec a[R][kRun];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kRun; ++c) {
+        a[r][c] = Vec::loadu(acc[r] + d + c * Vec::size()) * Vec(alpha[r]);
+      }
+    }
+    for (int64_t j = 0; j < seen; ++j) {
+      Vec vj[kRun];
+      for (int c = 0; c < kRun; ++c) vj[c] = Vec::loadu(v[j] + d + c * Vec::size());
+      for (int r = 0; r < R; ++r) {
+        const Vec w(weight[r][j]);
+        for (int c = 0; c < kRun; ++c) a[r][c] = at::vec::fmadd(w, vj[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kRun; ++c) a[r][c].store(acc[r] + d + c * Vec::size());
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // the head dim's rest: single Vecs, then scalars
+    int64_t e = d;
+    for (; e + Vec::size() <= D; e += Vec::size()) {
+      Vec a = Vec::loadu(acc[r] + e) * Vec(alpha[r]);
+      for (int64_t j = 0; j < seen; ++j) a = at::vec::fmadd(Vec(weight[r][j]), Vec::loadu(v[j] + e), a);
+      a.store(acc[r] + e);
+    }
+    for (; e < D; ++e) {
+      float a = acc[r][e] * alpha[r];
+      for (int64_t j = 0; j < seen; ++j) a += weight[r][j] * v[j][e];
+      acc[r][e] = a;
+    }
   }
 }
+
+// Prefetches the next cache block's K and V rows (the hardware cannot guess where it is) a few
+// cache lines at a time, interleaved with the work on the current block: issued all at once, the
+// prefetches fill the core's miss queues and the compute's own loads wait behind them.
+class BlockPrefetcher {
+ public:
+  void start(const char* k, const char* v, int64_t rows, int64_t k_stride, int64_t v_stride,
+             int64_t row_bytes) {  // strides in bytes
+    base_[0] = k, base_[1] = v, stride_[0] = k_stride, stride_[1] = v_stride;
+    rows_ = rows, row_bytes_ = row_bytes, row_ = 0, line_ = end_ = nullptr;
+  }
+  int64_t lines() const { return 2 * rows_ * ((row_bytes_ + 63) / 64 + 1); }  // an upper bound
+  void step(int64_t lines) {  // the next `lines` lines, or all that are left
+    for (; lines > 0; --lines, line_ += 64) {
+      if (line_ >= end_ && !next_run()) return;
+      __builtin_prefetch(line_, 0, 2);  // into L2
+    }
+  }
+
+ private:
+  // The next run of adjacent rows (a block's rows are one run in the standard layouts).
+  bool next_run() {
+    if (row_ == 2 * rows_) return false;
+    const int which = row_ >= rows_;
+    const auto row = [&](int64_t r) { return base_[which] + (r - which * rows_) * stride_[which]; };
+    const char* first = row(row_);
+    end_ = first + row_bytes_;
+    while (++row_ < (which + 1) * rows_ && row(row_) == end_) end_ += row_bytes_;
+    line_ = first - reinterpret_cast<uintptr_t>(first) % 64;
+    return true;
+  }
+
+  const char* base_[2] = {nullptr, nullptr};
+  int64_t stride_[2] = {0, 0}, rows_ = 0, row_bytes_ = 0, row_ = 0;
+  const char *line_ = nullptr, *end_ = nullptr;  // the current run's next line and its end
+};
 
 // A cache row as float32: the row itself when float rows can be used in place, else a float32
 // copy in buf.
@@ -109,7 +229,7 @@ struct Problem {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, rows_buf;
+  std::vector<float> q, acc, scores, m, l, alpha, rows_buf;
   std::vector<const float*> k_rows, v_rows;  // [kv head][position] of the current block
   Scratch(int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size)
       : q(rows * head_dim),
@@ -117,6 +237,7 @@ struct Scratch {
         scores(rows * block_size),
         m(rows),
         l(rows),
+        alpha(rows),
         rows_buf(2 * num_kv_heads * block_size * head_dim),
         k_rows(num_kv_heads * block_size),
         v_rows(num_kv_heads * block_size) {}
@@ -144,13 +265,15 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     const int64_t k_block = table[base / B] * p.k_stride[0] + w.kv_head * p.k_stride[2];
     const int64_t v_block = table[base / B] * p.v_stride[0] + w.kv_head * p.v_stride[2];
     const int64_t n = std::min(B, last_pos + 1 - base);  // positions of this block in use
+    BlockPrefetcher prefetcher;
     if (base + B <= last_pos) {
       const int64_t next = table[base / B + 1], next_n = std::min(B, last_pos + 1 - base - B);
-      prefetch_block(p.k_cache + next * p.k_stride[0] + w.kv_head * p.k_stride[2], next_n,
-                     p.k_stride[1], H * D * sizeof(T));
-      prefetch_block(p.v_cache + next * p.v_stride[0] + w.kv_head * p.v_stride[2], next_n,
-                     p.v_stride[1], H * D * sizeof(T));
+      prefetcher.start(
+          reinterpret_cast<const char*>(p.k_cache + next * p.k_stride[0] + w.kv_head * p.k_stride[2]),
+          reinterpret_cast<const char*>(p.v_cache + next * p.v_stride[0] + w.kv_head * p.v_stride[2]),
+          next_n, p.k_stride[1] * sizeof(T), p.v_stride[1] * sizeof(T), H * D * sizeof(T));
     }
+    const int64_t prefetch_per_row = prefetcher.lines() / rows + 1;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t j = 0; j < n; ++j) {
         float* buf = s.rows_buf.data() + 2 * (h * B + j) * D;
@@ -176,10 +299,8 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     for (int64_t r = 0; r < rows; ++r) {  // scores, then online softmax: scores become weights
       const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
       float* score = s.scores.data() + r * B;
-      const float* q = s.q.data() + r * D;
-      if (!use_gemm) {
-        for (int64_t j = 0; j < seen; ++j) score[j] = dot(q, s.k_rows[h * B + j], D);
-      }
+      prefetcher.step(prefetch_per_row);
+      if (!use_gemm) block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
       std::fill(score + seen, score + B, kNegInf);
       const float block_max = at::vec::reduce_all<float>(
           [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
@@ -189,39 +310,33 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
       const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
       s.l[r] = s.l[r] * alpha + sum;
       s.m[r] = m_new;
-      float* acc = s.acc.data() + r * D;
-      if (use_gemm) {
-        if (alpha != 1.f) at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
-        continue;
+      s.alpha[r] = alpha;
+      if (use_gemm && alpha != 1.f) {
+        float* acc = s.acc.data() + r * D;
+        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
       }
-      // acc = acc * alpha + sum_j weight_j * v_j, kept in registers across the positions: runs
-      // of kRun Vecs of the head dim (independent FMA chains, each V row read contiguously),
-      // then single Vecs, then scalars.
+    }
+    // Few rows: acc = acc * alpha + weights . V per group of rows on one KV head (same token,
+    // same V rows), kRowGroup rows at a time.
+    for (int64_t r = 0; !use_gemm && r < rows;) {
+      const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
+      const int64_t group_end = r - r % G + G;
+      const int n_rows = static_cast<int>(std::min<int64_t>(kRowGroup, group_end - r));
+      float* acc[kRowGroup];
+      const float* weight[kRowGroup];
+      for (int i = 0; i < n_rows; ++i) {
+        acc[i] = s.acc.data() + (r + i) * D;
+        weight[i] = s.scores.data() + (r + i) * B;
+      }
       const float* const* v = s.v_rows.data() + h * B;
-      int64_t d = 0;
-      for (; d + kRun * Vec::size() <= D; d += kRun * Vec::size()) {
-        Vec a[kRun];
-        for (int c = 0; c < kRun; ++c) a[c] = Vec::loadu(acc + d + c * Vec::size()) * Vec(alpha);
-        for (int64_t j = 0; j < seen; ++j) {
-          const Vec weight(score[j]);
-          for (int c = 0; c < kRun; ++c) {
-            a[c] = at::vec::fmadd(weight, Vec::loadu(v[j] + d + c * Vec::size()), a[c]);
-          }
-        }
-        for (int c = 0; c < kRun; ++c) a[c].store(acc + d + c * Vec::size());
+      const float* alpha = s.alpha.data() + r;
+      switch (n_rows) {
+        case 1: accumulate_v<1>(acc, alpha, weight, v, seen, D); break;
+        case 2: accumulate_v<2>(acc, alpha, weight, v, seen, D); break;
+        case 3: accumulate_v<3>(acc, alpha, weight, v, seen, D); break;
+        default: accumulate_v<kRowGroup>(acc, alpha, weight, v, seen, D); break;
       }
-      for (; d + Vec::size() <= D; d += Vec::size()) {
-        Vec a = Vec::loadu(acc + d) * Vec(alpha);
-        for (int64_t j = 0; j < seen; ++j) {
-          a = at::vec::fmadd(Vec(score[j]), Vec::loadu(v[j] + d), a);
-        }
-        a.store(acc + d);
-      }
-      for (; d < D; ++d) {
-        float a = acc[d] * alpha;
-        for (int64_t j = 0; j < seen; ++j) a += score[j] * v[j][d];
-        acc[d] = a;
-      }
+      r += n_rows;
     }
     if (use_gemm) {
       gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
