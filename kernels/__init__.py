@@ -1,12 +1,12 @@
 """Paged attention and KV-cache write behind one dispatch.
 
 Backends: "torch" (kernels.reference, plain PyTorch: the oracle and the portable CPU path),
-"cpu" (kernels.cpu_attention: a C++ kernel built on first use; the cache write is the torch
-backend's), "triton" (kernels.triton_*; on CPU tensors it runs in Triton's interpreter, see
-kernels.triton_attention), "xformers" (CUDA only; its paged attention for attention, the Triton
-scatter for the cache write). "auto" picks "triton" for CUDA tensors, "cpu" for CPU tensors of
-float32/bfloat16/float16 where the extension builds, and "torch" otherwise. Triton and xformers
-modules are imported only when first used, so a CPU process never imports xformers.
+"cpu" (kernels.cpu_attention: C++ kernels built on first use), "triton" (kernels.triton_*; on
+CPU tensors it runs in Triton's interpreter, see kernels.triton_attention), "xformers" (CUDA
+only; its paged attention for attention, the Triton scatter for the cache write). "auto" picks
+"triton" for CUDA tensors, "cpu" for CPU tensors of float32/bfloat16/float16 where the extension
+builds, and "torch" otherwise. Triton and xformers modules are imported only when first used, so
+a CPU process never imports xformers.
 """
 
 from typing import Literal
@@ -18,7 +18,6 @@ from kernels.checks import check_paged_attention_args
 
 Backend = Literal["auto", "torch", "cpu", "triton", "xformers"]
 _BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
-_REFERENCE_WRITE = ("torch", "cpu")  # backends whose KV-cache write is kernels.reference's
 
 __all__ = [
     "Backend",
@@ -48,7 +47,7 @@ def plan_write_kv_cache(
 ) -> reference.KVWritePlan | None:
     """Per-step work that every layer's write_kv_cache call would repeat (the torch backend's
     slot validation); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, k_cache) not in _REFERENCE_WRITE:
+    if _resolve(backend, k_cache) != "torch":
         return None
     return reference.plan_write_kv_cache(slot_mapping, k_cache)
 
@@ -66,8 +65,12 @@ def write_kv_cache(
 
     In place; slot -1 skips the token. slot_mapping is int64 or int32.
     """
-    if _resolve(backend, key) in _REFERENCE_WRITE:
+    chosen = _resolve(backend, key)
+    if chosen == "torch":
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan=plan)
+        return
+    if chosen == "cpu":
+        cpu_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
     from kernels.triton_kv_write import write_kv_cache as triton_write
 

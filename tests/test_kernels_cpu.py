@@ -128,6 +128,28 @@ def test_cpu_kernel_rejects_unsupported_dtype():
         cpu_attention.paged_attention(*_problem().to(torch.float64).args(), 1.0)
 
 
+@pytest.mark.parametrize(
+    ("match", "change"),
+    [
+        ("slot_mapping values", lambda a: a["slot_mapping"].copy_(torch.tensor([0, 5, 64]))),
+        ("slot_mapping values", lambda a: a["slot_mapping"].copy_(torch.tensor([-2, 5, 6]))),
+        ("slot_mapping must be", lambda a: a.update(slot_mapping=torch.tensor([0, 1]))),
+        ("dtype", lambda a: a.update(value=a["value"].double())),
+        ("key must be", lambda a: a.update(key=a["key"][:, :1])),
+    ],
+)
+def test_cpu_cache_write_rejects_bad_input_before_writing(match, change, gen):
+    """Every slot is checked before the first write: a bad one leaves both caches untouched."""
+    cache = torch.randn(4, 16, 2, 8, generator=gen)
+    key, value = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+    args = dict(key=key, value=value, k_cache=cache.clone(), v_cache=cache.clone(),
+                slot_mapping=torch.tensor([0, 5, 6]))  # fmt: skip
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        kernels.write_kv_cache(**args, backend="cpu")
+    assert torch.equal(args["k_cache"], cache) and torch.equal(args["v_cache"], cache)
+
+
 def test_auto_picks_cpu_kernel_for_cpu_float_tensors(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(a) or a[0])

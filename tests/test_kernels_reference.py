@@ -96,7 +96,7 @@ def test_reference_block_size_32_and_int64_indices(gen):
     torch.testing.assert_close(out, naive_attention(*p.args(), 0.3), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize(
     ("slot_dtype", "dtype"), [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)]
 )

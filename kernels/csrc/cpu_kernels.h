@@ -16,3 +16,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // silu(gate) * up for gate_up [T, 2I] = [gate | up]; returns [T, I].
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// kernels.write_kv_cache's contract: key/value [T, Hkv, D] into the caches at slot = block *
+// block_size + offset; slot -1 skips the token. Any strides; every slot is checked first.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);

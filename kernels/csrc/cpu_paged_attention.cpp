@@ -1,4 +1,5 @@
-// Paged causal attention on the CPU: the "cpu" backend of kernels.paged_attention.
+// Paged causal attention on the CPU: the "cpu" backend of kernels.paged_attention (and, at
+// the end of the file, of kernels.write_kv_cache).
 //
 // The torch backend (kernels/reference.py) copies every sequence's K/V out of the paged cache
 // into a padded batch before one SDPA call; at decode that copy, plus zeroing the stale rows it
@@ -18,6 +19,7 @@
 // it computes unless the two overlap. Accumulation is in float32 whatever the cache dtype
 // (bf16/fp16 rows are converted block by block).
 
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
@@ -25,6 +27,7 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -296,47 +299,51 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     if (use_gemm) {
       gemm(true, n, rows, D, s.k_rows[0], ld_k, s.q.data(), D, 0.f, s.scores.data(), B);
     }
-    for (int64_t r = 0; r < rows; ++r) {  // scores, then online softmax: scores become weights
-      const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
-      float* score = s.scores.data() + r * B;
-      prefetcher.step(prefetch_per_row);
-      if (!use_gemm) block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
-      std::fill(score + seen, score + B, kNegInf);
-      const float block_max = at::vec::reduce_all<float>(
-          [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
-      const float m_new = std::max(s.m[r], block_max);
-      const float alpha = std::exp(s.m[r] - m_new);  // 0 on the first block
-      at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, score, score, B);
-      const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
-      s.l[r] = s.l[r] * alpha + sum;
-      s.m[r] = m_new;
-      s.alpha[r] = alpha;
-      if (use_gemm && alpha != 1.f) {
-        float* acc = s.acc.data() + r * D;
-        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
+    // Rows in order: token t, KV head h, query head g of that KV head's group.
+    for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {
+      const int64_t seen = visible(t);
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t g = 0; g < G; ++g, ++r) {  // scores, then online softmax: scores -> weights
+          float* score = s.scores.data() + r * B;
+          prefetcher.step(prefetch_per_row);
+          if (!use_gemm) block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
+          std::fill(score + seen, score + B, kNegInf);
+          const float block_max = at::vec::reduce_all<float>(
+              [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
+          const float m_new = std::max(s.m[r], block_max);
+          const float alpha = std::exp(s.m[r] - m_new);  // 0 on the first block
+          at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, score, score, B);
+          const float sum =
+              at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
+          s.l[r] = s.l[r] * alpha + sum;
+          s.m[r] = m_new;
+          s.alpha[r] = alpha;
+          if (use_gemm && alpha != 1.f) {
+            float* acc = s.acc.data() + r * D;
+            at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
+          }
+        }
+        if (use_gemm) continue;
+        // Few rows: acc = acc * alpha + weights . V for this KV head's rows of token t (they
+        // share the V rows), kRowGroup rows at a time.
+        for (int64_t first = r - G; first < r; first += kRowGroup) {
+          const int n_rows = static_cast<int>(std::min<int64_t>(kRowGroup, r - first));
+          float* acc[kRowGroup];
+          const float* weight[kRowGroup];
+          for (int i = 0; i < n_rows; ++i) {
+            acc[i] = s.acc.data() + (first + i) * D;
+            weight[i] = s.scores.data() + (first + i) * B;
+          }
+          const float* const* v = s.v_rows.data() + h * B;
+          const float* alpha = s.alpha.data() + first;
+          switch (n_rows) {
+            case 1: accumulate_v<1>(acc, alpha, weight, v, seen, D); break;
+            case 2: accumulate_v<2>(acc, alpha, weight, v, seen, D); break;
+            case 3: accumulate_v<3>(acc, alpha, weight, v, seen, D); break;
+            default: accumulate_v<kRowGroup>(acc, alpha, weight, v, seen, D); break;
+          }
+        }
       }
-    }
-    // Few rows: acc = acc * alpha + weights . V per group of rows on one KV head (same token,
-    // same V rows), kRowGroup rows at a time.
-    for (int64_t r = 0; !use_gemm && r < rows;) {
-      const int64_t t = r / heads_rows, h = r % heads_rows / G, seen = visible(t);
-      const int64_t group_end = r - r % G + G;
-      const int n_rows = static_cast<int>(std::min<int64_t>(kRowGroup, group_end - r));
-      float* acc[kRowGroup];
-      const float* weight[kRowGroup];
-      for (int i = 0; i < n_rows; ++i) {
-        acc[i] = s.acc.data() + (r + i) * D;
-        weight[i] = s.scores.data() + (r + i) * B;
-      }
-      const float* const* v = s.v_rows.data() + h * B;
-      const float* alpha = s.alpha.data() + r;
-      switch (n_rows) {
-        case 1: accumulate_v<1>(acc, alpha, weight, v, seen, D); break;
-        case 2: accumulate_v<2>(acc, alpha, weight, v, seen, D); break;
-        case 3: accumulate_v<3>(acc, alpha, weight, v, seen, D); break;
-        default: accumulate_v<kRowGroup>(acc, alpha, weight, v, seen, D); break;
-      }
-      r += n_rows;
     }
     if (use_gemm) {
       gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
@@ -477,4 +484,61 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
       TORCH_CHECK_VALUE(false, "the cpu backend supports float32, bfloat16 and float16, got ",
                         query.scalar_type());
   }
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                    "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+                    "head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), block_size = k_cache.size(1);
+  const int64_t heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.size(1) == heads && key.size(2) == head_dim,
+                    "key must be [num_tokens, ", heads, ", ", head_dim,
+                    "] to match the cache, got shape ", key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(),
+                    " must equal key shape ", key.sizes());
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK_VALUE(v_cache.scalar_type() == dtype && key.scalar_type() == dtype &&
+                        value.scalar_type() == dtype,
+                    "key/value dtype must equal the cache dtype ", dtype, ", got ",
+                    key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+                    "slot_mapping must be [num_tokens=", key.size(0), "], got ",
+                    slot_mapping.sizes());
+  const auto slots_tensor = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slots = slots_tensor.data_ptr<int64_t>();
+  for (int64_t i = 0; i < key.size(0); ++i) {  // all values before any write
+    TORCH_CHECK_VALUE(slots[i] == -1 || (slots[i] >= 0 && slots[i] < num_slots),
+                      "slot_mapping values must be -1 or in [0, ", num_slots,
+                      ") (num_blocks * block_size), got ", slots[i]);
+  }
+  const int64_t item = key.element_size();
+  // Element (token or block/offset, head, d) -> byte offset; rows of head_dim elements are copied
+  // whole when both sides have them contiguous.
+  const auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    const bool rows = src.stride(2) == 1 && cache.stride(3) == 1;
+    at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (slots[i] < 0) continue;
+        const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
+        for (int64_t h = 0; h < heads; ++h) {
+          const char* s = from + (i * src.stride(0) + h * src.stride(1)) * item;
+          char* d = to + (block * cache.stride(0) + offset * cache.stride(1) +
+                          h * cache.stride(2)) * item;
+          if (rows) {
+            std::memcpy(d, s, head_dim * item);
+            continue;
+          }
+          for (int64_t e = 0; e < head_dim; ++e) {
+            std::memcpy(d + e * cache.stride(3) * item, s + e * src.stride(2) * item, item);
+          }
+        }
+      }
+    });
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
 }
