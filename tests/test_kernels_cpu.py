@@ -53,6 +53,18 @@ def test_cpu_kernel_matches_reference(case, dtype, gen):
     assert relative_error(out, exact) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_kernel_low_precision_cache_with_three_kv_heads(dtype, gen):
+    """bf16/fp16 rows are converted into float32 scratch, whose row stride is head_dim whatever
+    the cache's (the cache rows here are 3 * head_dim apart): prefill and decode spans."""
+    p = make_paged_problem(
+        [40, 1, 1, 3], [40, 70, 17, 35], num_heads=9, num_kv_heads=3, head_dim=32,
+        block_size=16, generator=gen,
+    )  # fmt: skip
+    out, exact = run_kernel(p, 0.2, dtype)
+    assert relative_error(out, exact) <= TOLERANCE[dtype]
+
+
 def test_cpu_kernel_random_batch(gen):
     num_seqs = int(torch.randint(1, 40, (), generator=gen))
     seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()

@@ -9,15 +9,16 @@
 //
 // Work item = (sequence, KV heads, run of query tokens); its rows are the (token, query head)
 // pairs of those KV heads (see plan_items for how spans are cut). Each item walks the sequence's
-// blocks in order with an online softmax (flash attention): per block, a row's scores over the
-// positions it may see, its running max m and sum l, and acc = acc * alpha + weights . V. Items
-// with many rows on one KV head (prefill) get their products from BLAS; decode items take a
-// block's scores as 16-position dot products reduced together, and add weights . V for the rows
-// of one KV head together, with acc in registers across the block. Every row sees position 0, so
-// m is finite from the first block on. The next block is prefetched into L2 while this one is
-// computed: blocks sit at random addresses, and at decode the kernel waits on memory as long as
-// it computes unless the two overlap. Accumulation is in float32 whatever the cache dtype
-// (bf16/fp16 rows are converted block by block).
+// blocks in order with an online softmax (flash attention): running max m and sum l per row, and
+// acc = acc * alpha + weights . V. Two paths, chosen by the span alone (so a row's arithmetic
+// does not depend on its batch):
+// - attend_gemm, many rows on one KV head (prefill): per block, scores and weights . V from BLAS.
+// - attend_dot, few rows (decode): per partition of 256 positions, all scores first (16
+//   positions' dot products reduced together), one softmax update per row, then weights . V for
+//   the rows of a KV head together. At decode the kernel reads as many bytes as it computes on,
+//   from random addresses: the next block is prefetched into L2, a few lines per row of work.
+// Every row sees position 0, so m is finite after the first update. Accumulation is in float32
+// whatever the cache dtype (bf16/fp16 rows are converted block by block).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -168,17 +169,24 @@ inline void accumulate_v(float* const* acc, const float* alpha, const float* con
   }
 }
 
-// Prefetches the next cache block's K and V rows (the hardware cannot guess where it is) a few
-// cache lines at a time, interleaved with the work on the current block: issued all at once, the
+// Rows of a cache block to prefetch: `rows` rows of row_bytes bytes, `stride` bytes apart.
+struct RowSet {
+  const char* base = nullptr;
+  int64_t rows = 0, stride = 0;
+};
+
+// Prefetches the next cache block's rows (the hardware cannot guess where it is) a few cache
+// lines at a time, interleaved with the work on the current block: issued all at once, the
 // prefetches fill the core's miss queues and the compute's own loads wait behind them.
 class BlockPrefetcher {
  public:
-  void start(const char* k, const char* v, int64_t rows, int64_t k_stride, int64_t v_stride,
-             int64_t row_bytes) {  // strides in bytes
-    base_[0] = k, base_[1] = v, stride_[0] = k_stride, stride_[1] = v_stride;
-    rows_ = rows, row_bytes_ = row_bytes, row_ = 0, line_ = end_ = nullptr;
+  void start(int64_t row_bytes, RowSet a, RowSet b = {}) {
+    sets_[0] = a, sets_[1] = b, row_bytes_ = row_bytes, set_ = 0, row_ = 0;
+    line_ = end_ = nullptr;
   }
-  int64_t lines() const { return 2 * rows_ * ((row_bytes_ + 63) / 64 + 1); }  // an upper bound
+  int64_t lines() const {  // an upper bound
+    return (sets_[0].rows + sets_[1].rows) * ((row_bytes_ + 63) / 64 + 1);
+  }
   void step(int64_t lines) {  // the next `lines` lines, or all that are left
     for (; lines > 0; --lines, line_ += 64) {
       if (line_ >= end_ && !next_run()) return;
@@ -189,18 +197,18 @@ class BlockPrefetcher {
  private:
   // The next run of adjacent rows (a block's rows are one run in the standard layouts).
   bool next_run() {
-    if (row_ == 2 * rows_) return false;
-    const int which = row_ >= rows_;
-    const auto row = [&](int64_t r) { return base_[which] + (r - which * rows_) * stride_[which]; };
-    const char* first = row(row_);
+    for (; set_ < 2 && row_ == sets_[set_].rows; ++set_) row_ = 0;
+    if (set_ == 2) return false;
+    const RowSet& rows = sets_[set_];
+    const char* first = rows.base + row_ * rows.stride;
     end_ = first + row_bytes_;
-    while (++row_ < (which + 1) * rows_ && row(row_) == end_) end_ += row_bytes_;
+    while (++row_ < rows.rows && rows.base + row_ * rows.stride == end_) end_ += row_bytes_;
     line_ = first - reinterpret_cast<uintptr_t>(first) % 64;
     return true;
   }
 
-  const char* base_[2] = {nullptr, nullptr};
-  int64_t stride_[2] = {0, 0}, rows_ = 0, row_bytes_ = 0, row_ = 0;
+  RowSet sets_[2];
+  int64_t row_bytes_ = 0, set_ = 0, row_ = 0;
   const char *line_ = nullptr, *end_ = nullptr;  // the current run's next line and its end
 };
 
@@ -231,25 +239,197 @@ struct Problem {
   bool rows_in_place;
 };
 
+// Positions per partition of the dot path: scores for a partition stay in L1/L2.
+constexpr int64_t kPartition = 256;
+
+inline int64_t partition_width(int64_t block_size) {
+  return std::max<int64_t>(1, kPartition / block_size) * block_size;
+}
+
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, alpha, rows_buf;
+  std::vector<float> q, acc, scores, m, l, alpha, ones, k_buf, v_buf;
   std::vector<const float*> k_rows, v_rows;  // [kv head][position] of the current block
   Scratch(int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size)
       : q(rows * head_dim),
         acc(rows * head_dim),
-        scores(rows * block_size),
+        scores(rows * partition_width(block_size)),
         m(rows),
         l(rows),
         alpha(rows),
-        rows_buf(2 * num_kv_heads * block_size * head_dim),
+        ones(rows, 1.f),
+        k_buf(num_kv_heads * block_size * head_dim),
+        v_buf(num_kv_heads * block_size * head_dim),
         k_rows(num_kv_heads * block_size),
         v_rows(num_kv_heads * block_size) {}
 };
 
+// One work item's view of the cache: its sequence's blocks, on its KV heads.
+template <typename T>
+struct ItemCache {
+  const Problem<T>& p;
+  const WorkItem& w;
+  const int64_t* table;
+
+  ItemCache(const Problem<T>& problem, const WorkItem& item)
+      : p(problem), w(item), table(problem.block_tables + item.seq * problem.table_stride) {}
+
+  int64_t positions(int64_t b) const {  // positions of block b in use
+    return std::min(p.block_size, w.first_pos + w.num_tokens - b * p.block_size);
+  }
+  const T* block(const T* cache, const int64_t (&stride)[3], int64_t b) const {
+    return cache + table[b] * stride[0] + w.kv_head * stride[2];
+  }
+  RowSet rows(bool v, int64_t b) const {
+    const T* start = v ? block(p.v_cache, p.v_stride, b) : block(p.k_cache, p.k_stride, b);
+    return {reinterpret_cast<const char*>(start), positions(b),
+            (v ? p.v_stride[1] : p.k_stride[1]) * static_cast<int64_t>(sizeof(T))};
+  }
+  int64_t row_bytes() const { return w.num_kv_heads * p.head_dim * sizeof(T); }
+  // Block b's K or V rows as float32 pointers: out[h * B + j] for j < positions(b).
+  void load(bool v, int64_t b, Scratch& s) const {
+    const int64_t(&stride)[3] = v ? p.v_stride : p.k_stride;
+    const T* start = block(v ? p.v_cache : p.k_cache, stride, b);
+    float* buf = (v ? s.v_buf : s.k_buf).data();
+    const float** out = (v ? s.v_rows : s.k_rows).data();
+    const int64_t B = p.block_size, D = p.head_dim, n = positions(b);
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        out[h * B + j] = as_float(start + j * stride[1] + h * stride[2], buf + (h * B + j) * D, D,
+                                  p.rows_in_place);
+      }
+    }
+  }
+};
+
+// Folds a row's new scores (len of them, -inf where masked) into its online softmax: scores
+// become weights exp(score - m), l and m are updated, and the factor acc must be scaled by is
+// returned. Every row sees position 0, so m is finite after the first block or partition.
+inline float softmax_update(float* score, int64_t len, float& m, float& l) {
+  const float top = at::vec::reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, len);
+  const float m_new = std::max(m, top);
+  const float alpha = std::exp(m - m_new);  // 0 on the first update
+  at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, score, score, len);
+  l = l * alpha + at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, len);
+  m = m_new;
+  return alpha;
+}
+
+// Many rows on one KV head (prefill, long verify spans; H == 1, see plan_items): per block,
+// scores and weights . V are two small GEMMs (column-major BLAS: S^T = K Q^T, acc^T += V^T W^T)
+// around an online-softmax update per row.
+template <typename T>
+void attend_gemm(const ItemCache<T>& c, Scratch& s) {
+  const Problem<T>& p = c.p;
+  const WorkItem& w = c.w;
+  const int64_t D = p.head_dim, B = p.block_size, rows = w.num_tokens * p.group;
+  const int64_t ld_k = p.rows_in_place ? p.k_stride[1] : D;  // between a block's rows
+  const int64_t ld_v = p.rows_in_place ? p.v_stride[1] : D;
+  const int64_t num_blocks = (w.first_pos + w.num_tokens - 1) / B + 1;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t base = b * B, n = c.positions(b);
+    BlockPrefetcher prefetcher;
+    if (b + 1 < num_blocks) prefetcher.start(c.row_bytes(), c.rows(false, b + 1), c.rows(true, b + 1));
+    const int64_t prefetch_per_row = prefetcher.lines() / rows + 1;
+    c.load(false, b, s);
+    c.load(true, b, s);
+    gemm(true, n, rows, D, s.k_rows[0], ld_k, s.q.data(), D, 0.f, s.scores.data(), B);
+    for (int64_t r = 0; r < rows; ++r) {  // row r: token r / G
+      prefetcher.step(prefetch_per_row);
+      float* score = s.scores.data() + r * B;
+      std::fill(score + std::clamp<int64_t>(w.first_pos + r / p.group - base + 1, 0, n),
+                score + B, kNegInf);
+      const float alpha = softmax_update(score, B, s.m[r], s.l[r]);
+      if (alpha != 1.f) {
+        float* acc = s.acc.data() + r * D;
+        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
+      }
+    }
+    gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
+  }
+}
+
+// Few rows (decode, short verify spans), on one or all KV heads: the context is cut into
+// partitions of kPartition positions. Per partition, pass 1 takes every block's scores (16
+// positions' dot products at a time), each row's softmax is updated once over the whole
+// partition, and pass 2 adds weights . V block by block for the rows of a KV head together.
+// Blocks are prefetched in the order they are read: a partition's K blocks, then its V blocks.
+template <typename T>
+void attend_dot(const ItemCache<T>& c, Scratch& s) {
+  const Problem<T>& p = c.p;
+  const WorkItem& w = c.w;
+  const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
+  const int64_t rows = w.num_tokens * H * G, width = partition_width(B);
+  const int64_t num_blocks = (w.first_pos + w.num_tokens - 1) / B + 1;
+  for (int64_t part = 0; part < num_blocks; part += width / B) {
+    const int64_t part_end = std::min(num_blocks, part + width / B);
+    const auto prefetch_next = [&](BlockPrefetcher& prefetcher, bool v, int64_t b) {
+      if (b + 1 < part_end) {
+        prefetcher.start(c.row_bytes(), c.rows(v, b + 1));
+      } else if (!v) {
+        prefetcher.start(c.row_bytes(), c.rows(true, part));
+      } else if (part_end < num_blocks) {
+        prefetcher.start(c.row_bytes(), c.rows(false, part_end));
+      }
+      return prefetcher.lines() / rows + 1;
+    };
+    for (int64_t b = part; b < part_end; ++b) {  // pass 1: scores
+      BlockPrefetcher prefetcher;
+      const int64_t prefetch_per_row = prefetch_next(prefetcher, false, b);
+      c.load(false, b, s);
+      const int64_t base = b * B, n = c.positions(b);
+      for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {  // rows: token, KV head, group
+        const int64_t seen = std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t g = 0; g < G; ++g, ++r) {
+            prefetcher.step(prefetch_per_row);
+            float* score = s.scores.data() + r * width + (b - part) * B;
+            block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
+            std::fill(score + seen, score + B, kNegInf);
+          }
+        }
+      }
+    }
+    const int64_t len = (part_end - part) * B;
+    for (int64_t r = 0; r < rows; ++r) {
+      s.alpha[r] = softmax_update(s.scores.data() + r * width, len, s.m[r], s.l[r]);
+    }
+    for (int64_t b = part; b < part_end; ++b) {  // pass 2: acc = acc * alpha + weights . V
+      BlockPrefetcher prefetcher;
+      const int64_t prefetch_per_row = prefetch_next(prefetcher, true, b);
+      c.load(true, b, s);
+      const int64_t base = b * B, n = c.positions(b);
+      const float* alpha = (b == part ? s.alpha : s.ones).data();  // scale once per partition
+      for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {
+        const int64_t seen = std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
+        for (int64_t h = 0; h < H; ++h, r += G) {  // this KV head's rows share the V rows
+          prefetcher.step(prefetch_per_row * G);
+          for (int64_t first = r; first < r + G; first += kRowGroup) {
+            const int n_rows = static_cast<int>(std::min<int64_t>(kRowGroup, r + G - first));
+            float* acc[kRowGroup];
+            const float* weight[kRowGroup];
+            for (int i = 0; i < n_rows; ++i) {
+              acc[i] = s.acc.data() + (first + i) * D;
+              weight[i] = s.scores.data() + (first + i) * width + (b - part) * B;
+            }
+            const float* const* v = s.v_rows.data() + h * B;
+            switch (n_rows) {
+              case 1: accumulate_v<1>(acc, alpha + first, weight, v, seen, D); break;
+              case 2: accumulate_v<2>(acc, alpha + first, weight, v, seen, D); break;
+              case 3: accumulate_v<3>(acc, alpha + first, weight, v, seen, D); break;
+              default: accumulate_v<kRowGroup>(acc, alpha + first, weight, v, seen, D); break;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
-  const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
-  const int64_t heads_rows = H * G;  // rows per token
+  const int64_t G = p.group, D = p.head_dim;
+  const int64_t heads_rows = w.num_kv_heads * G;  // rows per token
   const int64_t rows = w.num_tokens * heads_rows;
   // Row r: token r / heads_rows, query head first_head + r % heads_rows, KV head that / G.
   const int64_t first_head = w.kv_head * G;
@@ -261,93 +441,12 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   std::fill_n(s.acc.begin(), rows * D, 0.f);
   std::fill_n(s.m.begin(), rows, kNegInf);
   std::fill_n(s.l.begin(), rows, 0.f);
-
-  const int64_t* table = p.block_tables + w.seq * p.table_stride;
-  const int64_t last_pos = w.first_pos + w.num_tokens - 1;
-  for (int64_t base = 0; base <= last_pos; base += B) {
-    const int64_t k_block = table[base / B] * p.k_stride[0] + w.kv_head * p.k_stride[2];
-    const int64_t v_block = table[base / B] * p.v_stride[0] + w.kv_head * p.v_stride[2];
-    const int64_t n = std::min(B, last_pos + 1 - base);  // positions of this block in use
-    BlockPrefetcher prefetcher;
-    if (base + B <= last_pos) {
-      const int64_t next = table[base / B + 1], next_n = std::min(B, last_pos + 1 - base - B);
-      prefetcher.start(
-          reinterpret_cast<const char*>(p.k_cache + next * p.k_stride[0] + w.kv_head * p.k_stride[2]),
-          reinterpret_cast<const char*>(p.v_cache + next * p.v_stride[0] + w.kv_head * p.v_stride[2]),
-          next_n, p.k_stride[1] * sizeof(T), p.v_stride[1] * sizeof(T), H * D * sizeof(T));
-    }
-    const int64_t prefetch_per_row = prefetcher.lines() / rows + 1;
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t j = 0; j < n; ++j) {
-        float* buf = s.rows_buf.data() + 2 * (h * B + j) * D;
-        s.k_rows[h * B + j] = as_float(p.k_cache + k_block + j * p.k_stride[1] + h * p.k_stride[2],
-                                       buf, D, p.rows_in_place);
-        s.v_rows[h * B + j] = as_float(p.v_cache + v_block + j * p.v_stride[1] + h * p.v_stride[2],
-                                       buf + D, D, p.rows_in_place);
-      }
-    }
-    // Row r sees the first visible(t) positions of the block (causal within the span).
-    const auto visible = [&](int64_t t) {
-      return std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
-    };
-    // Many rows on one KV head (prefill, long verify spans): scores and weights . V are two
-    // small GEMMs over the block (column-major BLAS: S^T = K Q^T, acc^T += V^T W^T). Few rows
-    // (decode): dot products, where a BLAS call would cost more than its arithmetic.
-    const bool use_gemm = w.num_tokens * G >= kGemmMinRows;  // then H == 1 (see plan_items)
-    const int64_t ld_k = p.rows_in_place ? p.k_stride[1] : 2 * D;  // between a block's rows
-    const int64_t ld_v = p.rows_in_place ? p.v_stride[1] : 2 * D;
-    if (use_gemm) {
-      gemm(true, n, rows, D, s.k_rows[0], ld_k, s.q.data(), D, 0.f, s.scores.data(), B);
-    }
-    // Rows in order: token t, KV head h, query head g of that KV head's group.
-    for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {
-      const int64_t seen = visible(t);
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t g = 0; g < G; ++g, ++r) {  // scores, then online softmax: scores -> weights
-          float* score = s.scores.data() + r * B;
-          prefetcher.step(prefetch_per_row);
-          if (!use_gemm) block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
-          std::fill(score + seen, score + B, kNegInf);
-          const float block_max = at::vec::reduce_all<float>(
-              [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, score, B);
-          const float m_new = std::max(s.m[r], block_max);
-          const float alpha = std::exp(s.m[r] - m_new);  // 0 on the first block
-          at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, score, score, B);
-          const float sum =
-              at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, score, B);
-          s.l[r] = s.l[r] * alpha + sum;
-          s.m[r] = m_new;
-          s.alpha[r] = alpha;
-          if (use_gemm && alpha != 1.f) {
-            float* acc = s.acc.data() + r * D;
-            at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
-          }
-        }
-        if (use_gemm) continue;
-        // Few rows: acc = acc * alpha + weights . V for this KV head's rows of token t (they
-        // share the V rows), kRowGroup rows at a time.
-        for (int64_t first = r - G; first < r; first += kRowGroup) {
-          const int n_rows = static_cast<int>(std::min<int64_t>(kRowGroup, r - first));
-          float* acc[kRowGroup];
-          const float* weight[kRowGroup];
-          for (int i = 0; i < n_rows; ++i) {
-            acc[i] = s.acc.data() + (first + i) * D;
-            weight[i] = s.scores.data() + (first + i) * B;
-          }
-          const float* const* v = s.v_rows.data() + h * B;
-          const float* alpha = s.alpha.data() + first;
-          switch (n_rows) {
-            case 1: accumulate_v<1>(acc, alpha, weight, v, seen, D); break;
-            case 2: accumulate_v<2>(acc, alpha, weight, v, seen, D); break;
-            case 3: accumulate_v<3>(acc, alpha, weight, v, seen, D); break;
-            default: accumulate_v<kRowGroup>(acc, alpha, weight, v, seen, D); break;
-          }
-        }
-      }
-    }
-    if (use_gemm) {
-      gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
-    }
+  const ItemCache<T> cache(p, w);
+  // The path depends only on the span (not on the batch): see plan_items.
+  if (w.num_tokens * G >= kGemmMinRows) {
+    attend_gemm(cache, s);
+  } else {
+    attend_dot(cache, s);
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = p.out + (w.first_token + r / heads_rows) * p.out_stride[0] +
@@ -450,7 +549,7 @@ void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Ten
                      k_cache.size(3),
                      k_cache.size(1),
                      static_cast<float>(scale),
-                     rows_in_place};
+                     rows_in_place && std::is_same_v<T, float>};
   run(p, items);
 }
 
