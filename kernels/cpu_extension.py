@@ -6,9 +6,7 @@ a minute once per machine (``make setup`` does it); later processes load the cac
 an edited source is rebuilt. The build targets the SIMD level torch itself dispatches to on this
 CPU (ATen's Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP
 runtime where the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the
-system soname), so torch.set_num_threads applies to the kernels too. Prefill-sized attention
-products call the BLAS ``sgemm_`` that torch's x86 wheels export (MKL); a torch build without it
-cannot load the extension, and the PyTorch paths run instead.
+system soname), so torch.set_num_threads applies to the kernels too.
 """
 
 import functools

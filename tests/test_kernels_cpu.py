@@ -211,8 +211,8 @@ def test_cpu_kernel_any_cache_layout_and_separate_k_v_strides(block_size, gen):
 
 
 def test_cpu_kernel_span_gives_the_same_bits_alone_and_in_a_batch(gen):
-    """A prefill span (BLAS path) and a decode span (dot path) give bit-identical rows alone and
-    among other sequences: a request's numbers do not depend on its batch."""
+    """A prefill span (per-head items) and a decode span (one item) give bit-identical rows
+    alone and among other sequences: a request's numbers do not depend on its batch."""
     shape = dict(num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, generator=gen)
     batch = make_paged_problem([1] * 9 + [40, 1], [50] * 9 + [70, 33], **shape)
     full = cpu_attention.paged_attention(*batch.args(), 0.2)

@@ -10,13 +10,12 @@
 // Work item = (sequence, KV heads, run of query tokens); its rows are the (token, query head)
 // pairs of those KV heads (see plan_items for how spans are cut). Each item walks the sequence's
 // blocks in order with an online softmax (flash attention): running max m and sum l per row, and
-// acc = acc * alpha + weights . V. Two paths, chosen by the span alone (so a row's arithmetic
-// does not depend on its batch):
-// - attend_gemm, many rows on one KV head (prefill): per block, scores and weights . V from BLAS.
-// - attend_dot, few rows (decode): per partition of 256 positions, all scores first (16
-//   positions' dot products reduced together), one softmax update per row, then weights . V for
-//   the rows of a KV head together. At decode the kernel reads as many bytes as it computes on,
-//   from random addresses: the next block is prefetched into L2, a few lines per row of work.
+// acc = acc * alpha + weights . V, per partition of 256 positions: all scores first (16
+// positions' dot products reduced together), one softmax update per row, then weights . V for
+// the rows of a KV head together (see attend). A row's arithmetic depends on its span alone, not
+// on the batch or on how the span was cut into items. At decode the kernel reads as many bytes as
+// it computes on, from random addresses: the next block is prefetched into L2, a few lines per
+// row of work. (Prefill through BLAS GEMMs per block was 1.1-1.7x slower on the dev CPU.)
 // Every row sees position 0, so m is finite after the first update. Accumulation is in float32
 // whatever the cache dtype (bf16/fp16 rows are converted block by block).
 
@@ -33,25 +32,11 @@
 #include <type_traits>
 #include <vector>
 
-// BLAS (MKL in torch's x86 wheels), resolved from libtorch_cpu at load time.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
-
 namespace {
-
-// Column-major C = alpha * op(A) op(B) + beta * C.
-inline void gemm(bool trans_a, int m, int n, int k, const float* a, int lda, const float* b,
-                 int ldb, float beta, float* c, int ldc) {
-  const float one = 1.f;
-  sgemm_(trans_a ? "T" : "N", "N", &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
-}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxRows = 96;  // query rows per work item
 constexpr int64_t kWholeHeadsMaxRows = 32;  // rows up to which a span is one item on all heads
-constexpr int64_t kGemmMinRows = 8;  // rows of one KV head from which BLAS does the products
 constexpr int kRun = 4;  // Vecs of the head dim accumulated in independent chains
 // Rows sharing V rows accumulated together: kRowGroup * kRun accumulators stay in registers.
 constexpr int kRowGroup = Vec::size() >= 16 ? 4 : 2;
@@ -212,13 +197,10 @@ class BlockPrefetcher {
   const char *line_ = nullptr, *end_ = nullptr;  // the current run's next line and its end
 };
 
-// A cache row as float32: the row itself when float rows can be used in place, else a float32
-// copy in buf.
+// A cache row as float32: the row itself for a float32 cache, else a float32 copy in buf.
 template <typename T>
-inline const float* as_float(const T* row, float* buf, int64_t n, bool in_place) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (in_place) return row;
-  }
+inline const float* as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) return row;
   for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
   return buf;
 }
@@ -233,10 +215,6 @@ struct Problem {
   int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], table_stride;
   int64_t group, num_kv_heads, head_dim, block_size;
   float scale;
-  // float32 cache rows are read in place when BLAS can take their stride as a leading
-  // dimension (every standard layout); otherwise, and for bf16/fp16, each block's rows are
-  // copied to float32 scratch first.
-  bool rows_in_place;
 };
 
 // Positions per partition of the dot path: scores for a partition stay in L1/L2.
@@ -294,8 +272,7 @@ struct ItemCache {
     const int64_t B = p.block_size, D = p.head_dim, n = positions(b);
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       for (int64_t j = 0; j < n; ++j) {
-        out[h * B + j] = as_float(start + j * stride[1] + h * stride[2], buf + (h * B + j) * D, D,
-                                  p.rows_in_place);
+        out[h * B + j] = as_float(start + j * stride[1] + h * stride[2], buf + (h * B + j) * D, D);
       }
     }
   }
@@ -315,47 +292,13 @@ inline float softmax_update(float* score, int64_t len, float& m, float& l) {
   return alpha;
 }
 
-// Many rows on one KV head (prefill, long verify spans; H == 1, see plan_items): per block,
-// scores and weights . V are two small GEMMs (column-major BLAS: S^T = K Q^T, acc^T += V^T W^T)
-// around an online-softmax update per row.
+// The item's rows over its context, cut into partitions of kPartition positions. Per partition,
+// pass 1 takes every block's scores (16 positions' dot products at a time), each row's softmax
+// is updated once over the whole partition, and pass 2 adds weights . V block by block for the
+// rows of a KV head together. Blocks are prefetched in the order they are read: a partition's K
+// blocks, then its V blocks.
 template <typename T>
-void attend_gemm(const ItemCache<T>& c, Scratch& s) {
-  const Problem<T>& p = c.p;
-  const WorkItem& w = c.w;
-  const int64_t D = p.head_dim, B = p.block_size, rows = w.num_tokens * p.group;
-  const int64_t ld_k = p.rows_in_place ? p.k_stride[1] : D;  // between a block's rows
-  const int64_t ld_v = p.rows_in_place ? p.v_stride[1] : D;
-  const int64_t num_blocks = (w.first_pos + w.num_tokens - 1) / B + 1;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t base = b * B, n = c.positions(b);
-    BlockPrefetcher prefetcher;
-    if (b + 1 < num_blocks) prefetcher.start(c.row_bytes(), c.rows(false, b + 1), c.rows(true, b + 1));
-    const int64_t prefetch_per_row = prefetcher.lines() / rows + 1;
-    c.load(false, b, s);
-    c.load(true, b, s);
-    gemm(true, n, rows, D, s.k_rows[0], ld_k, s.q.data(), D, 0.f, s.scores.data(), B);
-    for (int64_t r = 0; r < rows; ++r) {  // row r: token r / G
-      prefetcher.step(prefetch_per_row);
-      float* score = s.scores.data() + r * B;
-      std::fill(score + std::clamp<int64_t>(w.first_pos + r / p.group - base + 1, 0, n),
-                score + B, kNegInf);
-      const float alpha = softmax_update(score, B, s.m[r], s.l[r]);
-      if (alpha != 1.f) {
-        float* acc = s.acc.data() + r * D;
-        at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, acc, acc, D);
-      }
-    }
-    gemm(false, D, rows, n, s.v_rows[0], ld_v, s.scores.data(), B, 1.f, s.acc.data(), D);
-  }
-}
-
-// Few rows (decode, short verify spans), on one or all KV heads: the context is cut into
-// partitions of kPartition positions. Per partition, pass 1 takes every block's scores (16
-// positions' dot products at a time), each row's softmax is updated once over the whole
-// partition, and pass 2 adds weights . V block by block for the rows of a KV head together.
-// Blocks are prefetched in the order they are read: a partition's K blocks, then its V blocks.
-template <typename T>
-void attend_dot(const ItemCache<T>& c, Scratch& s) {
+void walk_partitions(const ItemCache<T>& c, Scratch& s) {
   const Problem<T>& p = c.p;
   const WorkItem& w = c.w;
   const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
@@ -441,13 +384,7 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   std::fill_n(s.acc.begin(), rows * D, 0.f);
   std::fill_n(s.m.begin(), rows, kNegInf);
   std::fill_n(s.l.begin(), rows, 0.f);
-  const ItemCache<T> cache(p, w);
-  // The path depends only on the span (not on the batch): see plan_items.
-  if (w.num_tokens * G >= kGemmMinRows) {
-    attend_gemm(cache, s);
-  } else {
-    attend_dot(cache, s);
-  }
+  walk_partitions(ItemCache<T>(p, w), s);
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = p.out + (w.first_token + r / heads_rows) * p.out_stride[0] +
              (first_head + r % heads_rows) * p.out_stride[1];
@@ -461,7 +398,8 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
 // A span with few rows (decode, short verify spans) is one item over all KV heads when there are
 // enough sequences to keep every thread busy: it then reads each cache block as one contiguous
 // run, which the hardware prefetcher streams. Other spans are cut per KV head into runs of
-// kMaxRows / G tokens, so that each K/V row serves many rows (through BLAS, see attend).
+// kMaxRows / G tokens, so that each K/V block read serves many rows. How a span is cut does not
+// change its rows' arithmetic.
 std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
                                  const at::Tensor& block_tables, int64_t num_tokens,
                                  int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
@@ -499,10 +437,7 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
     const int64_t q_len = cu[i + 1] - cu[i];
     const int64_t ctx = kv[i] - q_len;
     if (q_len == 0) continue;
-    // The arithmetic of a row depends only on its span (not on the batch): whole-head items
-    // use dot products, and so do per-head runs of fewer than kGemmMinRows rows.
-    const bool few_rows = q_len * group < kGemmMinRows;
-    if (many_spans && few_rows && q_len * num_kv_heads * group <= kWholeHeadsMaxRows) {
+    if (many_spans && q_len * num_kv_heads * group <= kWholeHeadsMaxRows) {
       items.push_back({i, 0, num_kv_heads, cu[i], q_len, ctx});
       continue;
     }
@@ -524,7 +459,8 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel if (num_items > 1)
   {
-    Scratch scratch(std::max(kMaxRows, p.group), p.num_kv_heads, p.head_dim, p.block_size);
+    Scratch scratch(std::max({kMaxRows, kWholeHeadsMaxRows, p.group}), p.num_kv_heads, p.head_dim,
+                    p.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
   }
@@ -532,7 +468,7 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
 
 template <typename T>
 void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-               const at::Tensor& tables, at::Tensor& out, double scale, bool rows_in_place,
+               const at::Tensor& tables, at::Tensor& out, double scale,
                const std::vector<WorkItem>& items) {
   const Problem<T> p{query.data_ptr<T>(),
                      k_cache.data_ptr<T>(),
@@ -548,8 +484,7 @@ void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Ten
                      k_cache.size(2),
                      k_cache.size(3),
                      k_cache.size(1),
-                     static_cast<float>(scale),
-                     rows_in_place && std::is_same_v<T, float>};
+                     static_cast<float>(scale)};
   run(p, items);
 }
 
@@ -564,21 +499,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   const auto items = plan_items(cu_query_lens.to(at::kLong), seq_lens.to(at::kLong), tables,
                                 query.size(0), k_cache.size(0), k_cache.size(1), num_kv_heads,
                                 num_heads / num_kv_heads);
-  const int64_t head_dim = k_cache.size(3), int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK_VALUE(head_dim <= int_max / 2 && k_cache.size(1) <= int_max,
-                    "head_dim and block_size must fit BLAS int arguments");
-  const auto ld_ok = [&](const at::Tensor& t) {
-    return t.stride(1) >= head_dim && t.stride(1) <= int_max;
-  };
-  const bool rows_in_place = ld_ok(k_cache) && ld_ok(v_cache);
   switch (query.scalar_type()) {
     case at::kFloat:
-      return run_typed<float>(query, k_cache, v_cache, tables, out, scale, rows_in_place, items);
+      return run_typed<float>(query, k_cache, v_cache, tables, out, scale, items);
     case at::kBFloat16:
-      return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, out, scale, rows_in_place,
-                                     items);
+      return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, out, scale, items);
     case at::kHalf:
-      return run_typed<at::Half>(query, k_cache, v_cache, tables, out, scale, rows_in_place, items);
+      return run_typed<at::Half>(query, k_cache, v_cache, tables, out, scale, items);
     default:
       TORCH_CHECK_VALUE(false, "the cpu backend supports float32, bfloat16 and float16, got ",
                         query.scalar_type());
