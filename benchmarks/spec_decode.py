@@ -181,8 +181,8 @@ def batch_sweep(args, prompts: list[list[int]], batch_sizes: list[int]) -> dict:
         name: make_engine(args, largest, blocks, k, disable)
         for name, (k, disable, _) in configs.items()
     }
-    # Warm-up at the largest batch: it touches every KV page and builds oneDNN's kernels for the
-    # row counts that batch brings. "default" runs only there; warmed at batch 1 like the others
+    # Warm-up at the largest batch: it touches every KV page and every allocation size that batch
+    # brings. "default" runs only there; warmed at batch 1 like the others
     # it started cold and measured ~7% below "off" (0.93x, twice), against 1.00-1.03x warm.
     for engine in engines.values():
         run_engine(engine, workload[largest])

@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from engine.model_loader import load_model, model_kv_shape
-from engine.models import LlamaForCausalLM, get_model_class, layers
+from engine.models import LlamaForCausalLM, get_model_class
 from engine.models.layers import Linear
 from kernels import cpu_extension
 
@@ -223,15 +223,17 @@ def test_model_is_built_on_the_context_device(name):
     assert {t.device.type for t in tensors} == {"meta"}
 
 
-needs_onednn = pytest.mark.skipif(not layers._HAS_ONEDNN, reason="torch built without oneDNN")
+needs_extension = pytest.mark.skipif(
+    not cpu_extension.available(), reason="the C++ CPU kernels cannot be built here"
+)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_onednn)])
+@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_extension)])
 @pytest.mark.parametrize("out_features", [36, 35])  # 35: no row split with 2 or 4 threads
 def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack, out_features, gen):
-    """1-2 rows take the row-split bmm, 3+ rows oneDNN (after prepack) or F.linear: all must
+    """1-2 rows take the row-split bmm, 3+ rows the C++ kernel (after prepack) or F.linear: all must
     give F.linear's product, laid out contiguously, for any row and thread count."""
     layer = Linear(48, out_features, bias=bias)
     if prepack:
@@ -250,7 +252,20 @@ def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack, out_features
         torch.set_num_threads(saved)
 
 
-@needs_onednn
+@needs_extension
+def test_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(gen):
+    """Every output is one in-order sum over the inputs: the same bits for a row alone, in a
+    tile of 8, in a partial tile, or past the 256-row chunk."""
+    layer = Linear(70, 100).requires_grad_(False)
+    layer.prepack()
+    x = torch.randn(300, 70, generator=gen)
+    full = layer(x)
+    for rows in (3, 8, 13, 257):
+        assert torch.equal(layer(x[:rows]), full[:rows])
+    assert torch.equal(layer(x[290:])[-3:], full[-3:])
+
+
+@needs_extension
 def test_packed_weight_is_only_used_while_it_is_current(gen):
     layer = Linear(32, 16, bias=False).requires_grad_(False)
     layer.prepack()
@@ -269,16 +284,16 @@ def test_packed_weight_is_only_used_while_it_is_current(gen):
     assert layer.packed is None and not layer._pack_is_current()
 
 
-@needs_onednn
+@needs_extension
 def test_linear_with_trainable_weights_keeps_its_gradient(gen):
     layer = Linear(32, 16)
     layer.prepack()
     x = torch.randn(5, 32, generator=gen)
-    layer(x).sum().backward()  # oneDNN's op has no autograd: F.linear must run
+    layer(x).sum().backward()  # the C++ kernel has no autograd: F.linear must run
     torch.testing.assert_close(layer.weight.grad, torch.ones(16, 5) @ x)
 
 
-@needs_onednn
+@needs_extension
 def test_loaded_cpu_model_is_prepacked(tmp_path):
     save_tiny(CONFIGS["llama"](), tmp_path)
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model

@@ -21,12 +21,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Up to this many rows a CPU Linear runs as a row-split batched GEMV (see Linear).
 _GEMV_MAX_ROWS = 2
-# oneDNN packs a weight for an expected batch size; 64 measured as fast as any other hint for
-# 3..2048 rows on the dev CPU.
-_PACK_BATCH_HINT = 64
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_reorder_linear_weight"
-)
 
 
 class Linear(nn.Linear):
@@ -37,9 +31,11 @@ class Linear(nn.Linear):
       reaches ~28 GB/s. Viewing the weight's rows as P blocks (P: the largest divisor of
       out_features up to the thread count) and calling ``bmm`` gives each block its own thread:
       2-4x faster. With P = 1 (one thread, or no divisor) these rows take the next path.
-    - 3+ rows (verification spans, batched decode, prefill): oneDNN with the weight packed into
-      its blocked layout once (``prepack``): 1.3-3x MKL's sgemm from 3 to 512 rows on
-      SmolLM2-135M's shapes. Float32 inference only; it keeps a second copy of the weight.
+    - 3+ rows (verification spans, batched decode, prefill): the C++ kernel of
+      kernels/csrc/cpu_linear.cpp with the weight packed into its panel layout once
+      (``prepack``): on SmolLM2-135M's shapes 1.15-1.3x oneDNN's packed GEMM from 16 to 64 rows,
+      level with it at 2048, 2x MKL's sgemm. A row's result does not depend on how many rows
+      share the call. Float32 inference only; it keeps a second copy of the weight.
 
     Both compute the same product up to float summation order (``python -m benchmarks.linear``
     measures them against ``F.linear``). Without a valid pack (or on CUDA) F.linear runs.
@@ -54,20 +50,21 @@ class Linear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.packed: torch.Tensor | None = None  # oneDNN copy of ``weight``, from prepack()
+        self.packed: torch.Tensor | None = None  # packed copy of ``weight``, from prepack()
         # What the pack was made from: the weight Parameter, its storage and its version.
         self._packed_from: tuple[torch.Tensor, int, int | None] | None = None
         self._row_blocks: tuple[int, int] = (0, 1)  # (thread count, P) last computed
 
     def prepack(self) -> None:
-        """Pack the current weight for oneDNN (CPU float32 weights on a oneDNN build; a no-op
-        otherwise). Call after loading weights. Replacing the weight, moving or casting the
-        module, or an in-place change that bumps the weight's version retires the pack; a write
-        through ``weight.data`` or under inference mode does not: call prepack() again."""
+        """Pack the current weight for the C++ kernel (CPU float32 weights where the extension
+        builds; a no-op otherwise). Call after loading weights. Replacing the weight, moving or
+        casting the module, or an in-place change that bumps the weight's version retires the
+        pack; a write through ``weight.data`` or under inference mode does not: call prepack()
+        again."""
         weight = self.weight
         self.packed = self._packed_from = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _HAS_ONEDNN:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        if _fused_cpu(weight.detach()):
+            self.packed = cpu_extension.load().pack_linear_weight(weight.detach())
             self._packed_from = (weight, weight.data_ptr(), _version(weight))
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...
@@ -82,7 +79,7 @@ class Linear(nn.Linear):
             weight is source  # compared by identity: == on tensors is elementwise
             and weight.data_ptr() == ptr
             and _version(weight) == version
-            and not (weight.requires_grad and torch.is_grad_enabled())  # oneDNN: no autograd
+            and not (weight.requires_grad and torch.is_grad_enabled())  # the kernel: no autograd
         )
 
     def _blocks(self) -> int:
@@ -105,7 +102,7 @@ class Linear(nn.Linear):
             return out if self.bias is None else out + self.bias
         if self._pack_is_current():
             flat = x.reshape(rows, self.in_features)
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            out = cpu_extension.load().linear(flat, self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 

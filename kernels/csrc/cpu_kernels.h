@@ -21,3 +21,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // block_size + offset; slot -1 skips the token. Any strides; every slot is checked first.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// A float32 weight [N, K] packed for linear: [ceil(N / V)][K][V], V the SIMD width in floats.
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+
+// x [M, K] @ weight^T + bias for weight packed by pack_linear_weight; returns [M, out_features].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t out_features);
