@@ -4,8 +4,9 @@ One pass multiplies ``rows`` tokens through every projection of every layer plus
 each with its own weight (as in a real step, the weights stream from memory rather than sit in
 cache). ``F.linear`` is what HF transformers calls; ``Linear`` (engine/models/layers.py) splits
 the weight's rows across the CPU threads for 1-2 rows and runs the C++ kernel of
-kernels/csrc/cpu_linear.cpp on a packed weight for more. The two are timed alternately, ``--repeats`` times each, and the median is reported
-with the weight bandwidth and the FLOP rate it implies. Random weights with the shapes of the
+kernels/csrc/cpu_linear.cpp on a packed weight for more. The two are timed alternately,
+``--repeats`` times each, and the median is reported with the weight bandwidth and the FLOP rate
+it implies. Random weights with the shapes of the
 default model (SmolLM2-135M), of --model or of --model-config.
 
     python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]

@@ -283,7 +283,8 @@ def render_targets(found: dict[str, list[dict]]) -> list[str]:
 
 def render_linear(p: dict) -> list[str]:
     lines = [
-        f"## Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear` ({p['model']})",
+        f"## Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear` "
+        f"({p['model']})",
         "",
         *_machine(p),
         f"- one pass = every projection of every layer plus the LM head "
