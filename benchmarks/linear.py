@@ -6,8 +6,8 @@ cache). ``F.linear`` is what HF transformers calls; ``Linear`` (engine/models/la
 the weight's rows across the CPU threads for 1-2 rows and runs the C++ kernel of
 kernels/csrc/cpu_linear.cpp on a packed weight for more. The two are timed alternately,
 ``--repeats`` times each, and the median is reported with the weight bandwidth and the FLOP rate
-it implies. Random weights with the shapes of the
-default model (SmolLM2-135M), of --model or of --model-config.
+it implies. Random weights with the shapes of the default model (SmolLM2-135M), of --model or
+of --model-config.
 
     python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]
 """
