@@ -78,3 +78,24 @@ def test_fused_ops_take_empty_inputs():
     assert ext.rotary(torch.ones(0, 2, 4), torch.ones(0, 4), torch.ones(0, 4)).shape == (0, 2, 4)
     assert ext.silu_and_mul(torch.ones(0, 6)).shape == (0, 3)
     assert ext.rms_norm(torch.ones(0, 4), torch.ones(4), 1e-6).shape == (0, 4)
+
+
+@pytest.mark.parametrize(("inter", "bias"), [(48, False), (40, False), (48, True)])
+def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
+    inter, bias, gen, monkeypatch
+):
+    """The fused gate_up GEMM + SwiGLU (intermediate a multiple of the SIMD width, no bias)
+    gives the bits of the projection followed by silu_and_mul; other shapes take that path."""
+    ext = cpu_extension.load()
+    fused_calls = []
+    fused = ext.linear_silu_mul
+    monkeypatch.setattr(ext, "linear_silu_mul", lambda *a: fused_calls.append(1) or fused(*a))
+    proj = layers.Linear(24, 2 * inter, bias=bias).requires_grad_(False)
+    proj.weight.data = torch.randn(2 * inter, 24, generator=gen)
+    proj.prepack()
+    for shape in [(1, 24), (2, 24), (3, 24), (7, 24), (300, 24), (2, 5, 24)]:
+        x = torch.randn(shape, generator=gen)
+        got = layers.swiglu(proj, x)
+        assert got.shape == (*shape[:-1], inter)
+        assert torch.equal(got, layers.silu_and_mul(proj(x)))
+    assert len(fused_calls) == (4 if inter == 48 and not bias else 0)  # 3+ rows only

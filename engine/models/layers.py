@@ -187,6 +187,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up_proj(x) ([gate | up] fused projection): one C++ call that never
+    writes the 2I-wide product when the projection takes its packed path without a bias and I
+    is a multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
+    rows = x.numel() // gate_up_proj.in_features
+    inter = gate_up_proj.out_features // 2
+    packed = gate_up_proj.packed
+    if (
+        x.device.type == "cpu"
+        and rows > _GEMV_MAX_ROWS
+        and gate_up_proj.bias is None
+        and gate_up_proj._pack_is_current()
+        and inter % packed.shape[-1] == 0
+        and _fused_cpu(x)
+    ):
+        flat = x.reshape(rows, gate_up_proj.in_features)
+        out = cpu_extension.load().linear_silu_mul(flat, packed, inter)
+        return out.view(*x.shape[:-1], inter)
+    return silu_and_mul(gate_up_proj(x))
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up for gate_up [..., 2I] = [gate | up] -> [..., I]."""
     if _fused_cpu(gate_up):

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, swiglu
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 _STACKED = (
@@ -91,7 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

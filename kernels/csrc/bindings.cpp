@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "Pack a float32 [N, K] weight for linear",
         no_gil);
   m.def("linear", &linear, "x @ W^T + b with a packed weight (float32)", no_gil);
+  m.def("linear_silu_mul", &linear_silu_mul, "silu(gate) * up of x @ gate_up^T, packed (float32)",
+        no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32)", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32)", no_gil);

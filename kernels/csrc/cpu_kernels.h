@@ -28,3 +28,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 // x [M, K] @ weight^T + bias for weight packed by pack_linear_weight; returns [M, out_features].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// silu(gate) * up of x @ gate_up^T for a gate_up weight [2 * intermediate, K] packed by
+// pack_linear_weight (intermediate a multiple of the SIMD width); returns [M, intermediate].
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
