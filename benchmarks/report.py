@@ -58,6 +58,8 @@ def render_throughput(p: dict) -> list[str]:
         f"- workload: per batch size B, {cfg['waves']} x B requests submitted at once, "
         f"input {cfg['input_len']} tokens, output {cfg['output_len']} tokens (uniform, seed "
         f"{cfg['seed']}), greedy, ignore_eos; speculation: {cfg['speculative_method'] or 'off'}",
+        f"- each system's fastest of {cfg.get('repeats', 1)} timed runs (the systems take turns; "
+        "pagedspec from a fresh engine each run, so no run hits the prefix cache)",
         f"- weights: {p['weights_note']}",
         f"- measured ceilings: copy {rates['bandwidth_gbs']:.1f} GB/s, {rates['dtype']} GEMM "
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "

@@ -34,7 +34,7 @@ FULL = {
     "kernels": "--spans 1,5,64 --iters 10",
 }
 QUICK = {
-    "throughput": "--batch-sizes 1,4 --input-len 16:64 --output-len 8:16",
+    "throughput": "--batch-sizes 1,4 --input-len 16:64 --output-len 8:16 --repeats 1",
     "latency": "--output-len 16 --warmup-iters 1 --iters 2",
     "spec_decode": "--num-prompts 2 --max-tokens 24 --k-values 2,4 --batch-sizes 1,4 "
     "--sweep-max-tokens 16",

@@ -31,6 +31,8 @@ def throughput_run(tiny_llama, tmp_path_factory):
             "3:9",
             "--waves",
             "2",
+            "--repeats",
+            "2",
             "--output-dir",
             str(out),
             "--tag",
@@ -66,6 +68,9 @@ def test_throughput_json_plot_and_ratios(throughput_run, tiny_llama):
             assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["elapsed_s"])
             assert 0 < s["ttft_median_s"] <= s["ttft_p99_s"] <= s["elapsed_s"]
             assert 0 < s["tpot_median_s"] <= s["tpot_p99_s"]
+            # The fastest of the two timed runs is the one reported.
+            assert len(s["output_tokens_per_s_runs"]) == 2
+            assert s["output_tokens_per_s"] == max(s["output_tokens_per_s_runs"])
         ours = row["systems"]["pagedspec"]
         for peer in PEERS:
             expected = ours["output_tokens_per_s"] / row["systems"][peer]["output_tokens_per_s"]
