@@ -372,7 +372,7 @@ class LLMEngine:
             all_rows.append(self._mask_min_tokens(sample, rows))
             row_params.extend([sample.params] * rows.shape[0])
             row_gens.extend(self._position_generators(sample, rows.shape[0]))
-        logits = torch.cat(all_rows)
+        logits = _concat_rows(all_rows)
         sbatch = SamplingBatch.from_params(
             temperature=[p.temperature for p in row_params],
             top_k=[p.top_k for p in row_params],
@@ -506,3 +506,19 @@ def _eos_token_ids(model_config, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _concat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(rows) of 2-D row blocks, as a view when they already lie back to back in one
+    tensor (every step without n > 1 forks or min_tokens masking): no copy of B x vocab floats."""
+    first = rows[0]
+    offset = first.storage_offset()
+    for r in rows:
+        if (
+            r.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or r.storage_offset() != offset
+            or not r.is_contiguous()
+        ):
+            return torch.cat(rows)
+        offset += r.numel()
+    return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), first.stride())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, llm_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 REPETITIVE = "one two three one two three one two three one two"
@@ -88,3 +88,16 @@ def _fast_threads():
     torch.set_num_threads(1)  # the machine is shared: stay light
     yield
     torch.set_num_threads(threads)
+
+
+def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
+    logits = torch.randn(6, 10, generator=gen)
+    rows = [logits[0:1], logits[1:3], logits[3:4]]
+    got = llm_engine._concat_rows(rows)
+    assert torch.equal(got, logits[:4]) and got.data_ptr() == logits.data_ptr()
+    for other in (
+        [logits[0:1], logits[0:1]],  # a fork: the same rows twice
+        [logits[0:1], logits[2:3]],  # a gap
+        [logits[0:1], logits[1:2].clone()],  # masked rows (a copy)
+    ):
+        assert torch.equal(llm_engine._concat_rows(other), torch.cat(other))
