@@ -80,7 +80,7 @@ def test_fused_ops_take_empty_inputs():
     assert ext.rms_norm(torch.ones(0, 4), torch.ones(4), 1e-6).shape == (0, 4)
 
 
-@pytest.mark.parametrize(("inter", "bias"), [(48, False), (40, False), (48, True)])
+@pytest.mark.parametrize(("inter", "bias"), [(48, False), (36, False), (48, True)])
 def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
     inter, bias, gen, monkeypatch
 ):
@@ -98,4 +98,5 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
         got = layers.swiglu(proj, x)
         assert got.shape == (*shape[:-1], inter)
         assert torch.equal(got, layers.silu_and_mul(proj(x)))
-    assert len(fused_calls) == (4 if inter == 48 and not bias else 0)  # 3+ rows only
+    assert len(fused_calls) == (4 if inter == 48 and not bias else 0)  # 3+ rows only (36: no
+    # multiple of the SIMD width, 8 or 16 floats)
