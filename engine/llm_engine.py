@@ -521,4 +521,5 @@ def _concat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
         ):
             return torch.cat(rows)
         offset += r.numel()
-    return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), first.stride())
+    width = first.shape[1]
+    return first.as_strided((sum(r.shape[0] for r in rows), width), (width, 1))

@@ -101,3 +101,7 @@ def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
         [logits[0:1], logits[1:2].clone()],  # masked rows (a copy)
     ):
         assert torch.equal(llm_engine._concat_rows(other), torch.cat(other))
+    # A one-row block is contiguous whatever its row stride: the view must not inherit it.
+    base = torch.arange(400.0)
+    odd = [base.as_strided((1, 4), (100, 1), 0), base.as_strided((1, 4), (4, 1), 4)]
+    assert torch.equal(llm_engine._concat_rows(odd), base[:8].view(2, 4))

@@ -146,6 +146,8 @@ def test_cpu_kernel_rejects_unsupported_dtype():
         ("slot_mapping values", lambda a: a["slot_mapping"].copy_(torch.tensor([0, 5, 64]))),
         ("slot_mapping values", lambda a: a["slot_mapping"].copy_(torch.tensor([-2, 5, 6]))),
         ("slot_mapping must be", lambda a: a.update(slot_mapping=torch.tensor([0, 1]))),
+        ("slot_mapping dtype", lambda a: a.update(slot_mapping=torch.tensor([0.0, 5.7, 6.0]))),
+        ("slot_mapping dtype", lambda a: a.update(slot_mapping=torch.tensor([True, False, True]))),
         ("dtype", lambda a: a.update(value=a["value"].double())),
         ("key must be", lambda a: a.update(key=a["key"][:, :1])),
     ],
@@ -248,3 +250,15 @@ def test_cpu_kernel_extreme_values_raise_not_crash(field, seq_lens, cu_query_len
     args[0] = args[0][: cu_query_lens[-1]]
     with pytest.raises(ValueError, match=field):
         cpu_attention.paged_attention(*args, 1.0)
+
+
+def test_cpu_cache_write_across_threads_matches_reference(gen):
+    """Enough tokens for the write to split across threads; int32 slots with skips."""
+    cache = torch.randn(40, 16, 3, 8, generator=gen)
+    slots = torch.randperm(40 * 16, generator=gen)[:300].int()
+    slots[torch.randperm(300, generator=gen)[:20]] = -1
+    key, value = (torch.randn(300, 3, 8, generator=gen) for _ in range(2))
+    got, expect = [cache.clone(), cache.clone()], [cache.clone(), cache.clone()]
+    kernels.write_kv_cache(key, value, *got, slots, backend="cpu")
+    reference.write_kv_cache(key, value, *expect, slots)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])

@@ -294,6 +294,22 @@ def test_linear_with_trainable_weights_keeps_its_gradient(gen):
 
 
 @needs_extension
+@pytest.mark.parametrize("trainable", ["input", "bias"])
+def test_packed_linear_keeps_the_gradient_of_a_trainable_input_or_bias(trainable, gen):
+    """A frozen, packed weight: the product must still carry the gradient of x or of the bias
+    (the C++ kernel has none, so F.linear runs)."""
+    layer = Linear(32, 16).requires_grad_(False)
+    layer.prepack()
+    x = torch.randn(5, 32, generator=gen, requires_grad=trainable == "input")
+    layer.bias.requires_grad_(trainable == "bias")
+    layer(x).sum().backward()
+    if trainable == "input":
+        torch.testing.assert_close(x.grad, torch.ones(5, 16) @ layer.weight)
+    else:
+        torch.testing.assert_close(layer.bias.grad, torch.full((16,), 5.0))
+
+
+@needs_extension
 def test_loaded_cpu_model_is_prepacked(tmp_path):
     save_tiny(CONFIGS["llama"](), tmp_path)
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model

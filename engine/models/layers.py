@@ -100,7 +100,8 @@ class Linear(nn.Linear):
             out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
             out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
-        if self._pack_is_current():
+        extra = () if self.bias is None else (self.bias,)
+        if self._pack_is_current() and _fused_cpu(x, *extra):  # no autograd through the kernel
             flat = x.reshape(rows, self.in_features)
             out = cpu_extension.load().linear(flat, self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
@@ -198,7 +199,7 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
         x.device.type == "cpu"
         and rows > _GEMV_MAX_ROWS
         and gate_up_proj.bias is None
-        and gate_up_proj._pack_is_current()
+        and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
         and inter % packed.shape[-1] == 0
         and _fused_cpu(x)
     ):

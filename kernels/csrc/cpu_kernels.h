@@ -26,6 +26,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
 // x [M, K] @ weight^T + bias for weight packed by pack_linear_weight; returns [M, out_features].
+// out_features must be the weight's row count: the pack pads it to a whole panel.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias, int64_t out_features);
 

@@ -113,7 +113,8 @@ void over_chunks(int64_t M, int64_t groups, const Fn& fn) {
 }
 
 void check_packed(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == V && packed.scalar_type() == at::kFloat,
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == V && packed.scalar_type() == at::kFloat &&
+                        packed.is_contiguous(),
                     "packed must come from pack_linear_weight on this CPU");
   TORCH_CHECK_VALUE(
       x.dim() == 2 && x.size(1) == packed.size(1) && x.scalar_type() == at::kFloat &&

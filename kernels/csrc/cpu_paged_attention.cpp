@@ -529,6 +529,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                         value.scalar_type() == dtype,
                     "key/value dtype must equal the cache dtype ", dtype, ", got ",
                     key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping dtype must be int32 or int64, got ", slot_mapping.scalar_type());
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
                     "slot_mapping must be [num_tokens=", key.size(0), "], got ",
                     slot_mapping.sizes());
