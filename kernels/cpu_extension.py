@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (kernels/csrc): paged attention and fused decoder-layer ops.
+"""The C++ CPU kernels (kernels/csrc): paged attention and the KV-cache write, the packed GEMM of
+Linear (with SwiGLU fused in), and fused decoder-layer ops.
 
 Compiled with torch.utils.cpp_extension (g++ and ninja) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a process needs them, about

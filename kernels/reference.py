@@ -1,5 +1,5 @@
-"""Plain-PyTorch paged attention and KV-cache write: the oracle for the kernels, the CPU cache
-write, and the CPU attention path where the C++ kernel (kernels.cpu_attention) cannot be built.
+"""Plain-PyTorch paged attention and KV-cache write: the oracle for the kernels, and the CPU path
+where the C++ kernels (kernels.cpu_attention) cannot be built or the dtype is not theirs.
 
 Attention is vectorised over sequences. Sequences are sorted by context length and cut into
 chunks whose gathered K/V fit a few MiB; for each chunk the K/V blocks are gathered into a padded

@@ -196,8 +196,7 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     inter = gate_up_proj.out_features // 2
     packed = gate_up_proj.packed
     if (
-        x.device.type == "cpu"
-        and rows > _GEMV_MAX_ROWS
+        rows > _GEMV_MAX_ROWS
         and gate_up_proj.bias is None
         and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
         and inter % packed.shape[-1] == 0

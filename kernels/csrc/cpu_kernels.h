@@ -1,7 +1,15 @@
 // The C++ CPU kernels behind kernels.cpu_extension (bindings.cpp exposes them to Python).
 #pragma once
 
+#include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
+
+// silu(gate) * up, the one formula of silu_and_mul and linear_silu_mul (so the fused GEMM gives
+// the two-step path's bits).
+inline at::vec::Vectorized<float> silu_mul(at::vec::Vectorized<float> gate,
+                                           at::vec::Vectorized<float> up) {
+  return gate / (at::vec::Vectorized<float>(1.f) + gate.neg().exp()) * up;
+}
 
 // kernels.paged_attention's contract (see kernels/__init__.py); writes out in place.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

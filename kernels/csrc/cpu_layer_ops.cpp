@@ -106,8 +106,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::parallel_for(0, rows.size(0), grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* g = src + i * width;
-      at::vec::map2([](Vec gv, Vec uv) { return gv / (Vec(1.f) + gv.neg().exp()) * uv; },
-                    dst + i * inter, g, g + inter, inter);
+      at::vec::map2([](Vec gv, Vec uv) { return silu_mul(gv, uv); }, dst + i * inter, g,
+                    g + inter, inter);
     }
   });
   auto sizes = gate_up.sizes().vec();

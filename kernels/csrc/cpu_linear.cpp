@@ -81,10 +81,7 @@ void gated_tile(const float* x, int64_t ldx, const float* panel, int64_t up_offs
   }
   accumulate<R, 2 * P>(x, ldx, panels, K, acc);
   for (int i = 0; i < R; ++i) {
-    for (int j = 0; j < P; ++j) {  // the formula of silu_and_mul (cpu_layer_ops.cpp)
-      const Vec g = acc[i][j];
-      (g / (Vec(1.f) + g.neg().exp()) * acc[i][P + j]).store(out + i * ldo + j * V);
-    }
+    for (int j = 0; j < P; ++j) silu_mul(acc[i][j], acc[i][P + j]).store(out + i * ldo + j * V);
   }
 }
 
