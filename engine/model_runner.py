@@ -2,7 +2,9 @@
 
 Every sequence in a step contributes one query span: a prefill chunk, a decode token, or the
 last committed token followed by draft tokens. All spans go through the model in a single
-forward; attention sees them as ``cu_query_lens`` / ``seq_lens`` over the paged cache.
+forward; attention sees them as ``cu_query_lens`` / ``seq_lens`` over the paged cache. The
+runner addresses the cache only through the block tables its spans carry (the scheduler's
+snapshot): it never asks the block manager.
 """
 
 from __future__ import annotations
@@ -14,18 +16,17 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
-from memory import BlockManager
 
 
 @dataclass(frozen=True)
 class Span:
-    """``token_ids`` sit at positions ``start..start+len-1`` of sequence ``seq_id``; the logits
-    of the last ``num_logits`` of them are returned."""
+    """``token_ids`` sit at positions ``start..start+len-1`` of a sequence whose KV blocks are
+    ``block_table``; the logits of the last ``num_logits`` of them are returned."""
 
-    seq_id: int
     token_ids: Sequence[int]
     start: int
     num_logits: int
+    block_table: Sequence[int]
 
 
 class ModelRunner:
@@ -33,13 +34,12 @@ class ModelRunner:
         self,
         model: nn.Module,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_manager: BlockManager,
         attention_backend: str,
         device: torch.device,
     ):
         self.model = model
         self.kv_caches = kv_caches
-        self.block_manager = block_manager
+        self.block_size = kv_caches[0][0].shape[1]
         self.attention_backend = attention_backend
         self.device = device
 
@@ -55,37 +55,41 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """Run one packed forward; returns float32 logits [sum(num_logits), vocab]."""
-        bm = self.block_manager
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        span_of_token: list[int] = []
         seq_lens: list[int] = []
         cu_query_lens = [0]
         logit_rows: list[int] = []
-        tables = []
-        for span in spans:
+        for i, span in enumerate(spans):
             n = len(span.token_ids)
             end = span.start + n
+            if end > len(span.block_table) * self.block_size:
+                raise ValueError(f"span {i} ends at {end}, past its block table")
             input_ids.extend(span.token_ids)
             positions.extend(range(span.start, end))
-            slots.extend(bm.slot_ids(span.seq_id, span.start, end))
+            span_of_token.extend([i] * n)
             seq_lens.append(end)
             cu_query_lens.append(cu_query_lens[-1] + n)
             logit_rows.extend(range(cu_query_lens[-1] - span.num_logits, cu_query_lens[-1]))
-            tables.append(bm.block_table(span.seq_id))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        width = max(len(s.block_table) for s in spans)
         dev = self.device
+        tables = torch.tensor(
+            [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans],
+            dtype=torch.int32,
+        )
+        pos = torch.tensor(positions, dtype=torch.int64)
+        blocks = tables[torch.tensor(span_of_token, dtype=torch.int64), pos // self.block_size]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=(blocks * self.block_size + pos % self.block_size).to(dev),
             cu_query_lens=torch.tensor(cu_query_lens, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
             backend=self.attention_backend,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            pos.to(dev),
             self.kv_caches,
             meta,
         )

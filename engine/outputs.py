@@ -26,6 +26,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    error: str | None = None  # set when a step failed on this request and the engine aborted it
 
 
 @dataclass(frozen=True)

@@ -5,18 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from scheduler import Sequence
 
 
 @dataclass
 class SampleState:
-    """One of a request's n samples: its sequence, RNG, text so far and finish state."""
+    """One of a request's n samples: its sequence, text so far and finish state.
+
+    ``text`` is everything decoded so far (cut at a stop string once one matched); what a caller
+    sees of an unfinished sample may hold back its tail (``OutputProcessor``).
+    """
 
     index: int
     seq: Sequence
-    params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     finish_reason: str | None = None
@@ -27,32 +29,16 @@ class SampleState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def completion(self) -> CompletionOutput:
-        seq = self.seq
-        return CompletionOutput(
-            index=self.index,
-            text=self.text,
-            token_ids=seq.token_ids[seq.num_prompt_tokens :],
-            finish_reason=self.finish_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            stop_reason=self.stop_reason,
-        )
-
 
 @dataclass
 class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # the engine's private copy
     samples: list[SampleState] = field(default_factory=list)
-    finished: bool = False
+    error: str | None = None  # why the engine aborted it, when a step failed on it
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
-            finished=self.finished,
-        )
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)

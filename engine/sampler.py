@@ -1,4 +1,4 @@
-"""Token sampling: temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: temperature, top-k, top-p, min-p, per-request seeds; logprobs.
 
 Everything is vectorised over the batch; Python loops run over generator groups only (one group per
 seeded row plus one for all unseeded rows), never over the vocabulary.
@@ -25,7 +25,6 @@ class SamplingBatch:
     top_p: torch.Tensor  # float32 [N]; 1 = off
     min_p: torch.Tensor  # float32 [N]; 0 = off
     generators: list[torch.Generator | None]  # per row; None = the sampler's shared generator
-    num_logprobs: int = 0  # max top-n logprobs requested in the batch (0 = none)
     all_greedy: bool = False  # True: every temperature is 0, so sampling is a plain argmax
     needs_sort: bool = True  # False: no row uses top-k or top-p, so no sort is needed
 
@@ -37,7 +36,6 @@ class SamplingBatch:
         top_p: Sequence[float],
         min_p: Sequence[float],
         generators: Sequence[torch.Generator | None] | None = None,
-        num_logprobs: int = 0,
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """Validate host-side lists and build the batch with one small tensor per parameter.
@@ -56,8 +54,6 @@ class SamplingBatch:
         _check_range("top_k", top_k, lambda k: k >= 0, ">= 0 (0 = off)")
         _check_range("top_p", top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1] (1 = off)")
         _check_range("min_p", min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1] (0 = off)")
-        if num_logprobs < 0:
-            raise ValueError(f"num_logprobs must be >= 0, got {num_logprobs}")
         greedy = [t == 0.0 for t in temperature]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -65,7 +61,6 @@ class SamplingBatch:
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             generators=[None if g_row else gen for g_row, gen in zip(greedy, gens, strict=True)],
-            num_logprobs=num_logprobs,
             all_greedy=all(greedy),
             needs_sort=any(
                 not g_row and (k > 0 or p < 1.0)
@@ -80,15 +75,6 @@ def _check_range(
     for i, value in enumerate(values):
         if not ok(value):  # NaN fails every rule
             raise ValueError(f"{name} must be {rule}, got {value} at row {i}")
-
-
-@dataclass(frozen=True)
-class SamplerOutput:
-    token_ids: torch.Tensor  # int64 [N]
-    # float32 [N]: log-prob of the sampled token under the raw model distribution (log_softmax
-    # of the unprocessed logits, as vLLM reports it); None when no row asked for logprobs
-    logprobs: torch.Tensor | None
-    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (values [N, n], ids [N, n])
 
 
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -197,15 +183,27 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token id per row: int64 [N]."""
         if batch.all_greedy:
-            token_ids = logits.argmax(-1)  # no randomness consumed
-        else:
-            probs = processed_probs(logits, batch)
-            token_ids = sample_from_probs(probs, batch.generators, self.generator)
-        if batch.num_logprobs == 0:
-            return SamplerOutput(token_ids, None, None)
-        logprobs = logits.float().log_softmax(-1)
-        top = logprobs.topk(min(batch.num_logprobs, logprobs.shape[-1]), dim=-1)
-        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        return SamplerOutput(token_ids, sampled, (top.values, top.indices))
+            return logits.argmax(-1)  # no randomness consumed
+        probs = processed_probs(logits, batch)
+        return sample_from_probs(probs, batch.generators, self.generator)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int
+) -> list[dict[int, float]]:
+    """Logprobs as vLLM reports them: of the raw model distribution (log_softmax of the logits
+    before temperature, top-k/p, min-p or min_tokens masking), for ``token_ids[j]`` at row j,
+    plus the ``num_top`` most likely ids of each row. One dict per row: {token id: logprob}."""
+    rows = logits[: len(token_ids)].float().log_softmax(-1)
+    picked = rows.gather(1, torch.tensor(token_ids, device=rows.device)[:, None])[:, 0].tolist()
+    result = [{t: lp} for t, lp in zip(token_ids, picked, strict=True)]
+    if num_top:
+        top = rows.topk(min(num_top, rows.shape[-1]), dim=-1)
+        for entry, ids, values in zip(
+            result, top.indices.tolist(), top.values.tolist(), strict=True
+        ):
+            entry.update(zip(ids, values, strict=True))
+    return result

@@ -2,6 +2,13 @@
 
 from memory.block_manager import BlockManager, BlockStats
 from memory.block_pool import NoFreeBlocksError
-from memory.kv_cache import kv_block_bytes, num_kv_blocks
+from memory.kv_cache import allocate_kv_caches, kv_block_bytes, num_kv_blocks
 
-__all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError", "kv_block_bytes", "num_kv_blocks"]
+__all__ = [
+    "BlockManager",
+    "BlockStats",
+    "NoFreeBlocksError",
+    "allocate_kv_caches",
+    "kv_block_bytes",
+    "num_kv_blocks",
+]

@@ -235,22 +235,24 @@ class BlockManager:
 
     # --- prefix caching --------------------------------------------------------------------
 
-    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """Register every full block inside `token_ids` not yet registered by this sequence.
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
+        """Register every full block inside `token_ids[:num_tokens]` not yet registered by this
+        sequence (`num_tokens` defaults to all of them).
 
-        `token_ids` are the sequence's committed tokens whose KV has been computed (prompt plus
+        Those are the sequence's committed tokens whose KV has been computed (prompt plus
         accepted outputs): a prefix of what its table holds. Never pass draft tokens: a block
         registered here is served to other requests as computed, verified KV.
         """
         seq = self._seq(seq_id)
-        if len(token_ids) > seq.num_tokens:
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        if not 0 <= num_tokens <= min(len(token_ids), seq.num_tokens):
             raise ValueError(
-                f"len(token_ids) must be <= num_tokens ({seq.num_tokens}) for seq_id {seq_id}, "
-                f"got {len(token_ids)}"
+                f"num_tokens must be in [0, {min(len(token_ids), seq.num_tokens)}] for seq_id "
+                f"{seq_id}, got {num_tokens}"
             )
         size = self.block_size
         hashes = seq.hashes
-        num_full = len(token_ids) // size
+        num_full = num_tokens // size
         if not self.enable_prefix_caching or num_full <= len(hashes):
             return
         parent = hashes[-1] if hashes else ROOT_HASH

@@ -46,3 +46,27 @@ def num_kv_blocks(
             f"memory_bytes must be an int >= one block ({per_block} bytes), got {memory_bytes!r}"
         )
     return memory_bytes // per_block
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, [num_blocks, block_size, num_kv_heads, head_dim] each.
+
+    Allocated once and never reallocated; left uninitialised, since every slot is written
+    before it is read.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]

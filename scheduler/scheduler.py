@@ -10,6 +10,7 @@ a block, the youngest running sequence is preempted by recompute.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory import BlockManager
@@ -25,14 +26,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSequence:
+    """One sequence's part of a step: compute ``token_ids[start : start + num_new_tokens]``.
+
+    ``block_table`` is a snapshot taken after this step's slots were reserved: it covers
+    ``start + num_new_tokens + num_lookahead_slots`` positions, so the model runner (and a draft
+    model) can address every slot of the step without asking the block manager.
+    """
+
     seq: Sequence
     num_new_tokens: int  # tokens of ``seq.token_ids`` computed this step
     num_lookahead_slots: int = 0  # slots reserved after them for draft tokens
+    block_table: tuple[int, ...] = ()
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the step reaches the end of the sequence: sample there
 
     def __post_init__(self) -> None:
-        reaches_end = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
-        object.__setattr__(self, "samples", reaches_end)
+        start = self.seq.num_computed_tokens
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "samples", start + self.num_new_tokens == len(self.seq))
 
 
 @dataclass
@@ -65,11 +76,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Register a sequence whose blocks are already allocated (a fork of a running one)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted) and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
@@ -84,8 +90,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- the step ---------------------------------------------------------------------------
-    def schedule(self, num_lookahead_slots: int = 0) -> SchedulerOutput:
-        """Pick this step's sequences. ``num_lookahead_slots`` = k draft slots per decode."""
+    def schedule(self, num_lookahead_slots: int | Callable[[Sequence], int] = 0) -> SchedulerOutput:
+        """Pick this step's sequences. ``num_lookahead_slots``: the draft slots to reserve after
+        a decode (k, or k per sequence); fewer when the token budget or max_model_len is short.
+        """
+        lookahead = (
+            num_lookahead_slots if callable(num_lookahead_slots) else lambda _: num_lookahead_slots
+        )
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -95,11 +106,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            k = min(num_lookahead_slots, budget - 1, self.config.max_model_len - len(seq))
+            k = min(lookahead(seq), budget - 1, self.config.max_model_len - len(seq))
             k = max(k, 0)
             if not self._reserve(seq, 1 + k, out):
                 continue  # seq itself was preempted
-            out.scheduled.append(ScheduledSequence(seq, 1, k))
+            out.scheduled.append(self._scheduled(seq, 1, k))
             scheduled_ids.add(seq.seq_id)
             budget -= 1 + k
 
@@ -109,7 +120,7 @@ class Scheduler:
             if seq.seq_id in scheduled_ids or seq.is_decoding:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)  # blocks were allocated at admission
-            out.scheduled.append(ScheduledSequence(seq, n))
+            out.scheduled.append(self._scheduled(seq, n))
             budget -= n
 
         # No admissions in a step that preempted: memory is short, and the preempted sequence
@@ -127,10 +138,42 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            out.scheduled.append(ScheduledSequence(seq, n))
+            out.scheduled.append(self._scheduled(seq, n))
             budget -= n
         return out
 
+    def _scheduled(self, seq: Sequence, num_new_tokens: int, k: int = 0) -> ScheduledSequence:
+        table = tuple(self.block_manager.block_table(seq.seq_id))
+        return ScheduledSequence(seq, num_new_tokens, k, table)
+
+    # --- after the step -----------------------------------------------------------------------
+    def update(
+        self, seq: Sequence, num_computed: int, new_token_ids: list[int], num_cacheable: int
+    ) -> None:
+        """The one place a sequence moves after a step.
+
+        ``new_token_ids`` (sampled and accepted) join the sequence; ``num_computed`` of its tokens
+        now have KV. After a sampling step the block table is rolled back to exactly those
+        tokens: rejected drafts' and unused lookahead slots leave it (no KV memory is touched).
+        Full blocks among the first ``num_cacheable`` committed tokens are registered for
+        prefix caching (a caller lowers it below ``num_computed`` when another model's KV in
+        those slots is not valid yet).
+        """
+        seq.token_ids.extend(new_token_ids)
+        seq.num_computed_tokens = num_computed
+        bm = self.block_manager
+        if new_token_ids:
+            bm.truncate(seq.seq_id, num_computed)
+        bm.commit(seq.seq_id, seq.token_ids, min(num_computed, num_cacheable))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (a copy of ``parent``'s tokens) shares its blocks, copy-on-write."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    # --- internals ----------------------------------------------------------------------------
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make the block table cover ``num_tokens`` slots past the computed prefix.
 

@@ -422,7 +422,7 @@ def test_commit_rejects_more_tokens_than_reserved(rng):
     bm = BlockManager(8, B)
     prompt = tokens(rng, 5)
     bm.allocate(0, prompt)
-    with pytest.raises(ValueError, match=r"len\(token_ids\)"):
+    with pytest.raises(ValueError, match="num_tokens must be in"):
         bm.commit(0, prompt + [1])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, llm_engine
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, step_sampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 REPETITIVE = "one two three one two three one two three one two"
@@ -93,15 +93,15 @@ def _fast_threads():
 def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
     logits = torch.randn(6, 10, generator=gen)
     rows = [logits[0:1], logits[1:3], logits[3:4]]
-    got = llm_engine._concat_rows(rows)
+    got = step_sampler.concat_rows(rows)
     assert torch.equal(got, logits[:4]) and got.data_ptr() == logits.data_ptr()
     for other in (
         [logits[0:1], logits[0:1]],  # a fork: the same rows twice
         [logits[0:1], logits[2:3]],  # a gap
         [logits[0:1], logits[1:2].clone()],  # masked rows (a copy)
     ):
-        assert torch.equal(llm_engine._concat_rows(other), torch.cat(other))
+        assert torch.equal(step_sampler.concat_rows(other), torch.cat(other))
     # A one-row block is contiguous whatever its row stride: the view must not inherit it.
     base = torch.arange(400.0)
     odd = [base.as_strided((1, 4), (100, 1), 0), base.as_strided((1, 4), (4, 1), 4)]
-    assert torch.equal(llm_engine._concat_rows(odd), base[:8].view(2, 4))
+    assert torch.equal(step_sampler.concat_rows(odd), base[:8].view(2, 4))

@@ -6,7 +6,13 @@ import pytest
 import torch
 from stats import chi_square
 
-from engine.sampler import Sampler, SamplingBatch, processed_probs, sample_from_probs
+from engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    processed_probs,
+    sample_from_probs,
+    token_logprobs,
+)
 
 
 def naive_probs(logits: list[float], t: float, k: int, p: float, m: float) -> list[float]:
@@ -66,11 +72,11 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     expected = [max(range(vocab), key=lambda i, r=row: (r[i], -i)) for row in logits.tolist()]
     sampler = Sampler(seed=1)
     all_greedy = SamplingBatch.from_params([0.0] * n, [0] * n, [1.0] * n, [0.0] * n)
-    assert sampler(logits, all_greedy).token_ids.tolist() == expected
+    assert sampler(logits, all_greedy).tolist() == expected
     # mixed batch: greedy rows go through the one-hot distribution and the race
     temperature = [0.0 if i % 2 else 1.0 for i in range(n)]
     mixed = SamplingBatch.from_params(temperature, [3] * n, [0.9] * n, [0.1] * n)
-    got = sampler(logits, mixed).token_ids.tolist()
+    got = sampler(logits, mixed).tolist()
     assert got[1::2] == expected[1::2]
 
 
@@ -79,7 +85,7 @@ def test_tiny_temperature_is_finite_and_picks_the_max():
     batch = SamplingBatch.from_params([1e-8, 1e-8], [0, 2], [1.0, 0.5], [0.0, 0.0])
     probs = processed_probs(logits, batch)
     assert torch.isfinite(probs).all()
-    assert torch.equal(Sampler()(logits, batch).token_ids, torch.tensor([1, 0]))
+    assert torch.equal(Sampler()(logits, batch), torch.tensor([1, 0]))
 
 
 def test_sampling_frequencies_match_processed_distribution():
@@ -90,7 +96,7 @@ def test_sampling_frequencies_match_processed_distribution():
     logits = base.repeat_interleave(reps, 0)
     columns = [[c[j] for c in configs for _ in range(reps)] for j in range(4)]
     batch = SamplingBatch.from_params(*columns)
-    ids = Sampler(seed=2)(logits, batch).token_ids.view(len(configs), reps)
+    ids = Sampler(seed=2)(logits, batch).view(len(configs), reps)
     for i, config in enumerate(configs):
         expected = torch.tensor(naive_probs(base[i].tolist(), *config))
         stat, threshold = chi_square(torch.bincount(ids[i], minlength=vocab), expected)
@@ -107,7 +113,7 @@ def test_seeded_row_is_the_same_alone_and_in_a_batch():
         gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         batch = SamplingBatch.from_params(*zip(*params, strict=True), generators=gens)
         sampler = Sampler(seed=sum(len(p) for p in params))
-        return [sampler(logits, batch).token_ids.tolist() for _ in range(6)]
+        return [sampler(logits, batch).tolist() for _ in range(6)]
 
     alone = run(row, [(1.0, 0, 1.0, 0.0)], [7])
     params = [
@@ -144,21 +150,20 @@ def test_greedy_rows_consume_no_randomness():
     assert not torch.equal(seeded.get_state(), seeded_before)
 
 
-def test_logprobs_are_raw_log_softmax_at_sampled_ids():
+def test_logprobs_are_raw_log_softmax_at_given_ids():
     gen = torch.Generator().manual_seed(4)
     n, vocab = 32, 100
     logits = torch.randn(n, vocab, generator=gen) * 2
-    temperature, top_k, top_p, min_p = random_params(n, gen)
-    batch = SamplingBatch.from_params(temperature, top_k, top_p, min_p, num_logprobs=3)
-    out = Sampler(seed=4)(logits, batch)
+    ids = torch.randint(vocab, (n,), generator=gen).tolist()
     raw = logits.double().log_softmax(-1)
-    assert torch.allclose(out.logprobs.double(), raw.gather(1, out.token_ids[:, None])[:, 0])
-    values, ids = out.top_logprobs
-    expected = raw.topk(3, dim=-1)
-    assert torch.equal(ids, expected.indices)
-    assert torch.allclose(values.double(), expected.values, atol=1e-6)
-    plain = SamplingBatch.from_params(temperature, top_k, top_p, min_p)
-    assert Sampler()(logits, plain).logprobs is None
+    for num_top in (0, 3):
+        entries = token_logprobs(logits, ids, num_top)
+        for row, (entry, token) in enumerate(zip(entries, ids, strict=True)):
+            expected = {token: raw[row, token].item()}
+            top = raw[row].topk(num_top)
+            expected.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            assert entry.keys() == expected.keys()
+            assert all(abs(entry[t] - expected[t]) < 1e-5 for t in entry)
 
 
 def test_padding_lanes_and_zero_weights_are_never_sampled():
@@ -167,7 +172,7 @@ def test_padding_lanes_and_zero_weights_are_never_sampled():
     logits = torch.randn(n, vocab, generator=gen)
     logits[:, real_vocab:] = float("-inf")  # vocabulary padding
     batch = SamplingBatch.from_params([2.0] * n, [0] * n, [1.0] * n, [0.0] * n)
-    ids = Sampler(seed=5)(logits, batch).token_ids
+    ids = Sampler(seed=5)(logits, batch)
     assert ids.max() < real_vocab and ids.min() >= 0
     weights = torch.zeros(n, vocab)
     weights[:, 4], weights[:, 9] = 3.0, 1.0  # unnormalised on purpose
@@ -201,7 +206,5 @@ def test_mismatched_lengths_raise():
         SamplingBatch.from_params([1.0, 1.0], [0], [1.0, 1.0], [0.0, 0.0])
     with pytest.raises(ValueError, match="generators"):
         SamplingBatch.from_params([1.0], [0], [1.0], [0.0], generators=[None, None])
-    with pytest.raises(ValueError, match="num_logprobs"):
-        SamplingBatch.from_params([1.0], [0], [1.0], [0.0], num_logprobs=-1)
     with pytest.raises(ValueError, match="logits"):
         processed_probs(torch.zeros(3, 5), SamplingBatch.from_params([1.0], [0], [1.0], [0.0]))

@@ -10,6 +10,7 @@ from conftest import build_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.proposers import NgramProposer, Proposal
 
 PROMPTS = [
     "one two three four five one two three four five one two three",
@@ -58,17 +59,15 @@ def test_ngram_greedy_equals_plain_greedy(tiny_llama, plain, kwargs):
         assert stats.num_preemptions > 0
 
 
-class _FixedDrafts:
+class _FixedDrafts(NgramProposer):
     """Always drafts k copies of one token: almost never what the model continues with."""
 
     def __init__(self, token: int):
+        super().__init__(1, 1)
         self.token = token
 
-    def propose(self, seqs, ks):
-        return [[self.token] * k for k in ks]
-
-    def release(self, seq_id):
-        pass
+    def propose(self, scheduled, ks):
+        return Proposal([[self.token] * k for k in ks], {})
 
 
 def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, plain):
@@ -76,7 +75,7 @@ def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, 
     for skip in (0, 16):
         llm = LLM(tiny_llama, num_kv_blocks=128,
                   speculative_config={**NGRAM, "max_draft_skip": skip})  # fmt: skip
-        llm.llm_engine.proposer = _FixedDrafts(token=7)
+        llm.llm_engine.spec.proposer = _FixedDrafts(token=7)
         assert generate(llm) == plain
         stats[skip] = llm.llm_engine.get_stats()
     assert stats[0].acceptance_rate < 0.2  # the premise: these drafts mostly fail
@@ -87,20 +86,23 @@ def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, 
 
 def test_draft_backoff_doubles_on_failure_and_resets_on_success():
     backoff = DraftBackoff(max_skip=4)
-    assert backoff.should_draft(7)  # unknown sequence: draft
-    pattern = []
+    assert backoff.should_draft(7, 0)  # unknown sequence: draft
+    pattern, outputs = [], 0
     for accepted in (0, 0, 0, 0, 2, 0):
-        backoff.record(7, accepted)
+        outputs += accepted + 1
+        backoff.record(7, accepted, outputs)
         skipped = 0
-        while not backoff.should_draft(7):
+        while not backoff.should_draft(7, outputs):
+            assert backoff.should_draft(7, outputs) is False  # asking changes nothing
             skipped += 1
+            outputs += 1  # a plain decode step
         pattern.append(skipped)
     assert pattern == [1, 2, 4, 4, 0, 1]
-    assert backoff.should_draft(8)  # per sequence
-    backoff.record(8, 0)
+    assert backoff.should_draft(8, 0)  # per sequence
+    backoff.record(8, 0, 1)
     backoff.release(8)
-    assert backoff.should_draft(8)
-    assert DraftBackoff(max_skip=0).should_draft(1)
+    assert backoff.should_draft(8, 1)
+    assert DraftBackoff(max_skip=0).should_draft(1, 0)
     with pytest.raises(ValueError, match="max_skip"):
         DraftBackoff(-1)
 

@@ -1,0 +1,125 @@
+"""Builds an engine's parts from its config: models, KV caches, runners and the step's owners."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.model_loader import load_model, model_kv_shape
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.processor import Processor
+from engine.sampler import Sampler
+from engine.spec_decode.manager import SpeculationManager
+from engine.step_sampler import StepSampler
+from memory import BlockManager, allocate_kv_caches, kv_block_bytes
+from scheduler import Scheduler, SchedulerConfig
+
+# On CPU, KV defaults to this fraction of available RAM (capped by what the limits can use).
+_CPU_KV_MEMORY_FRACTION = 0.3
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    tokenizer: PreTrainedTokenizerBase | None
+    model_config: PretrainedConfig
+    processor: Processor
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    spec: SpeculationManager
+    step_sampler: StepSampler
+    output_processor: OutputProcessor
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    target = load_model(config.model, config.dtype, config.device, config.load_format, config.seed)
+    vocab_size = int(target.config.vocab_size)
+    param = next(target.model.parameters())
+    device, dtype = param.device, param.dtype
+    model_max = target.model.max_model_len
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}"
+        )
+    max_model_len = config.max_model_len or model_max
+    eos_token_ids = _eos_token_ids(target.config, target.tokenizer)
+
+    spec = config.speculative_config
+    draft = None
+    if spec is not None and spec.method == "draft":
+        draft = load_model(spec.draft_model, config.dtype, device, config.load_format, config.seed)
+        if int(draft.config.vocab_size) != vocab_size:
+            raise ValueError(
+                f"draft_model vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                f"target's ({vocab_size}); speculation needs the same vocabulary"
+            )
+    models = [target] + ([draft] if draft else [])
+    num_blocks = _num_blocks(config, [m.config for m in models], max_model_len, dtype, device)
+
+    def runner(model) -> ModelRunner:
+        caches = allocate_kv_caches(
+            *model_kv_shape(model.config), num_blocks, config.block_size, dtype, device
+        )
+        return ModelRunner(model.model, caches, config.attention_backend, device)
+
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler_config = SchedulerConfig(
+        config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+    )
+    manager = SpeculationManager(spec, runner(draft) if draft else None, max_model_len)
+    return EngineParts(
+        tokenizer=target.tokenizer,
+        model_config=target.config,
+        processor=Processor(
+            target.tokenizer,
+            vocab_size,
+            max_model_len,
+            config.max_num_seqs,
+            num_blocks,
+            config.block_size,
+            manager.num_lookahead_slots,
+        ),
+        block_manager=block_manager,
+        scheduler=Scheduler(scheduler_config, block_manager),
+        runner=runner(target),
+        spec=manager,
+        step_sampler=StepSampler(Sampler(config.seed, device), eos_token_ids, manager.verify),
+        output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len),
+    )
+
+
+def _num_blocks(
+    config: EngineConfig,
+    model_configs: list[PretrainedConfig],
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = sum(
+        kv_block_bytes(*model_kv_shape(c), config.block_size, dtype) for c in model_configs
+    )
+    needed = config.max_num_seqs * -(-max_model_len // config.block_size)
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.8)
+        else:
+            budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            budget = int(budget * _CPU_KV_MEMORY_FRACTION)
+    return max(1, min(needed, budget // per_block))
+
+
+def _eos_token_ids(model_config: PretrainedConfig, tokenizer) -> set[int]:
+    ids = getattr(model_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list | tuple) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

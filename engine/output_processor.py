@@ -1,0 +1,121 @@
+"""Output processing: incremental detokenization, stop checks and ``RequestOutput``s.
+
+Given the tokens a step produced for a sample (its accepted drafts and one sampled token), it
+decides how many of them the sample keeps: it appends them one at a time and stops exactly where
+EOS, a stop token, a stop string, ``max_tokens`` or ``max_model_len`` hits, so tokens after a
+stop inside an accepted run never leak. It never touches sequences or KV: the caller commits
+the kept tokens.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, SampleState
+from scheduler import Sequence
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.tokenizer = tokenizer  # None for a config-only model: token ids, no text
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_sample(self, request: Request, seq: Sequence, index: int) -> SampleState:
+        detokenizer = (
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        )
+        logprobs = [] if request.params.logprobs is not None else None
+        sample = SampleState(index, seq, detokenizer, logprobs=logprobs)
+        request.samples.append(sample)
+        return sample
+
+    def append(
+        self,
+        request: Request,
+        sample: SampleState,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+    ) -> list[int]:
+        """Take ``token_ids`` one at a time until a stop condition; return the ones kept."""
+        params = request.params
+        num_outputs = sample.seq.num_output_tokens
+        length = len(sample.seq)
+        for j, token in enumerate(token_ids):
+            num_outputs += 1
+            length += 1
+            if sample.logprobs is not None and logprobs is not None:
+                sample.logprobs.append(logprobs[j])
+            delta = sample.detokenizer.add(token) if sample.detokenizer else ""
+            stop_token = num_outputs >= params.min_tokens and token in params.stop_token_ids
+            if not stop_token or params.include_stop_str_in_output:
+                sample.text += delta
+            if num_outputs >= params.min_tokens:
+                if token in self.eos_token_ids and not params.ignore_eos:
+                    sample.finish_reason = "stop"
+                elif stop_token:
+                    sample.finish_reason, sample.stop_reason = "stop", token
+                elif params.stop_strings:
+                    self._check_stop_strings(request, sample, len(delta))
+            if not sample.finished and (
+                (params.max_tokens is not None and num_outputs >= params.max_tokens)
+                or length >= self.max_model_len
+            ):
+                sample.finish_reason = "length"
+            if sample.finished:
+                if sample.detokenizer and not isinstance(sample.stop_reason, str):
+                    sample.text += sample.detokenizer.flush()  # held for an unfinished char
+                return token_ids[: j + 1]
+        return token_ids
+
+    @staticmethod
+    def _check_stop_strings(request: Request, sample: SampleState, new_chars: int) -> None:
+        """A stop string ends the text just before it (or after it, with
+        ``include_stop_str_in_output``); only the new characters can complete one."""
+        text = sample.text
+        for stop in request.params.stop_strings:
+            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+            if at >= 0:
+                keep = at + len(stop) if request.params.include_stop_str_in_output else at
+                sample.text = text[:keep]
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return
+
+    @staticmethod
+    def output(request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[_completion(request, s) for s in request.samples],
+            finished=request.finished,
+            error=request.error,
+        )
+
+
+def _completion(request: Request, sample: SampleState) -> CompletionOutput:
+    """While a sample runs, the last len(longest stop string) - 1 characters are held back:
+    they may be the start of a stop string that the next token completes, and text a caller
+    has seen must never shrink."""
+    text = sample.text
+    stops = request.params.stop_strings
+    if stops and not sample.finished:
+        text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
+    seq = sample.seq
+    return CompletionOutput(
+        index=sample.index,
+        text=text,
+        token_ids=seq.token_ids[seq.num_prompt_tokens :],
+        finish_reason=sample.finish_reason,
+        logprobs=None if sample.logprobs is None else list(sample.logprobs),
+        stop_reason=sample.stop_reason,
+    )

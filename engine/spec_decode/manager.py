@@ -1,0 +1,130 @@
+"""The speculation manager: every decision about drafts, in one place.
+
+Per step it decides each sequence's k (load, backoff, max_tokens and max_model_len), runs the
+proposer, verifies drafts against the target's samples, and, when the engine commits, records
+acceptance, backoff and the proposer's KV state. The engine never sees a proposer's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from engine.config import SpeculativeConfig
+from engine.model_runner import ModelRunner
+from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposal,
+    Proposer,
+)
+from engine.spec_decode.rejection import verify_deterministic_drafts
+from scheduler import ScheduledSequence, Sequence
+
+
+class SpeculationManager:
+    def __init__(
+        self,
+        config: SpeculativeConfig | None,
+        draft_runner: ModelRunner | None,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer: Proposer | None = None
+        if draft_runner is not None:
+            self.proposer = DraftModelProposer(draft_runner)
+        elif config is not None:
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.backoff = DraftBackoff(config.max_draft_skip if config else 0)
+        self.num_lookahead_slots = config.num_speculative_tokens if config else 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+        self.accepted_by_position = [0] * self.num_lookahead_slots
+
+    def lookahead(
+        self, num_busy: int, max_tokens: Callable[[Sequence], int | None]
+    ) -> Callable[[Sequence], int]:
+        """This step's k per sequence (a function for ``Scheduler.schedule``).
+
+        Off for the whole step when ``num_busy`` (running + waiting) sequences reach
+        ``disable_batch_size``: a step that full is compute-bound and verification is no longer
+        free. Otherwise k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``,
+        and 0 for a sequence in backoff or with no output yet (its prompt is being computed).
+        """
+        config = self.config
+        if config is None or num_busy >= config.disable_batch_size:
+            return lambda seq: 0
+
+        def k(seq: Sequence) -> int:
+            outputs = seq.num_output_tokens
+            if not outputs or not self.backoff.should_draft(seq.seq_id, outputs):
+                return 0
+            left = (max_tokens(seq) or self.max_model_len) - outputs
+            return max(0, min(config.num_speculative_tokens, left - 1,
+                              self.max_model_len - len(seq) - 1))  # fmt: skip
+
+        return k
+
+    def propose(self, scheduled: list[ScheduledSequence]) -> Proposal:
+        """Drafts for the sequences that reserved lookahead slots (a draft model also runs every
+        span, see ``DraftModelProposer``)."""
+        ks = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
+        if self.proposer is None or not (any(ks) or self.proposer.runs_every_span):
+            return Proposal([[] for _ in scheduled], {})
+        return self.proposer.propose(scheduled, ks)
+
+    @staticmethod
+    def verify(samples: Seq[int], drafts: Seq[Seq[int]], starts: Seq[int]) -> list[list[int]]:
+        """Each sequence's emitted tokens: its accepted drafts, then one recovered or bonus
+        token (``verify_deterministic_drafts``: every proposer here is deterministic)."""
+        return verify_deterministic_drafts(samples, drafts, starts)
+
+    def commit(
+        self,
+        seq: Sequence,
+        new_token_ids: list[int],
+        num_drafts: int,
+        num_emitted: int,
+        proposal: Proposal,
+        scheduled_as: Sequence,
+    ) -> int | None:
+        """Record a round of ``seq`` about to commit ``new_token_ids`` (``scheduled_as`` is the
+        sequence the step ran: itself, or the parent whose prompt a new fork shares); returns
+        how many of ``seq``'s tokens the proposer's KV covers (None: it keeps no KV)."""
+        if num_drafts:
+            accepted = num_emitted - 1
+            self.backoff.record(seq.seq_id, accepted, seq.num_output_tokens + len(new_token_ids))
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += accepted
+            self.num_verifications += 1
+            for j in range(accepted):
+                self.accepted_by_position[j] += 1
+        if self.proposer is None:
+            return None
+        return self.proposer.commit(
+            seq.seq_id, proposal.written.get(scheduled_as.seq_id), new_token_ids
+        )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if self.proposer is not None:
+            self.proposer.copy_blocks(pairs)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if self.proposer is not None:
+            self.proposer.fork(parent_id, child_id)
+
+    def release(self, seq_id: int) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq_id)
+        self.backoff.release(seq_id)
+
+    def stats(self) -> dict:
+        return dict(
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_verifications=self.num_verifications,
+            accepted_by_position=tuple(self.accepted_by_position),
+        )
