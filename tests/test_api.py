@@ -4,7 +4,10 @@ script's handling of bad input, and the model-loading modules' import graph."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,39 @@ def test_sampling_params_stays_a_vllm_style_dataclass():
     assert dataclasses.replace(params, top_k=-1).top_k == 0
     with pytest.raises(ValueError, match="max_token"):
         dataclasses.replace(params, max_token=3)
+
+
+# --- import graph -------------------------------------------------------------------------------
+
+LOADING_MODULES = ("engine.gguf_loader", "engine.default_model", "engine.model_loader")
+
+
+@pytest.mark.parametrize("module", LOADING_MODULES)
+def test_each_loading_module_imports_first_in_a_fresh_interpreter(module):
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def engine_imports(module: str) -> set[str]:
+    """Every engine module ``module`` imports, at the top or inside a function."""
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("engine.")}
+
+
+def test_loading_modules_import_each_other_without_a_cycle():
+    graph = {m: engine_imports(m) & set(LOADING_MODULES) for m in LOADING_MODULES}
+    order = []
+    while graph:
+        ready = [m for m, deps in graph.items() if deps <= set(order)]
+        assert ready, f"import cycle among {sorted(graph)}: {graph}"
+        order += ready
+        for m in ready:
+            del graph[m]
