@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 
@@ -31,6 +35,134 @@ def token_ids(outputs) -> list[list[int]]:
 def assert_all_blocks_free(llm: LLM) -> None:
     engine = llm.llm_engine
     assert engine.get_stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def test_prompt_dicts_generate_like_the_plain_forms(llm):
+    ids = llm.tokenizer.encode(TEXT)
+    outs = llm.generate(
+        [{"prompt": TEXT}, {"prompt_token_ids": ids}, TEXT, ids], GREEDY, use_tqdm=False
+    )
+    assert [o.prompt for o in outs] == [TEXT, None, TEXT, None]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(t) for t in token_ids(outs)}) == 1
+    for single in ({"prompt": TEXT}, {"prompt_token_ids": ids}):
+        assert token_ids(llm.generate(single, GREEDY, use_tqdm=False)) == token_ids(outs[:1])
+
+
+def test_numpy_token_ids_are_one_prompt(llm):
+    ids = llm.tokenizer.encode(TEXT)
+    expected = token_ids(llm.generate(ids, GREEDY, use_tqdm=False))
+    as_numpy = [np.int64(t) for t in ids]
+    for prompt in (as_numpy, np.array(ids), {"prompt_token_ids": as_numpy}):
+        outs = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert token_ids(outs) == expected
+        assert all(type(t) is int for t in outs[0].prompt_token_ids)
+    outs = llm.generate([np.array(ids), as_numpy], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == expected * 2
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"text": TEXT}, "'prompt'.*'prompt_token_ids'.*'text'"),
+        ({}, "'prompt'.*'prompt_token_ids'"),
+        ({"prompt": TEXT, "prompt_token_ids": [1, 2]}, "'prompt'.*'prompt_token_ids'"),
+        ({"prompt": [1, 2]}, "prompt must be a str, got list"),
+        ({"prompt_token_ids": "1 2"}, "prompt_token_ids must be a list of integer token ids"),
+        ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids must be a list of integer token ids"),
+        ({"prompt_token_ids": [True]}, "prompt_token_ids must be a list of integer token ids"),
+        (3, "prompt must be a str, a list of token ids"),
+    ],
+)
+def test_bad_prompts_name_the_field_and_add_nothing(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine", prompt], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"temperature": 0}, "sampling_params must be a SamplingParams, a list of them or None, "
+                             "got dict"),
+        ("greedy", "sampling_params must be .*, got str"),
+        ([GREEDY, {"temperature": 0}], r"sampling_params\[1\] must be a SamplingParams, got dict"),
+        ([GREEDY], "sampling_params has 1 entries for 2 prompts"),
+    ],
+)  # fmt: skip
+def test_bad_sampling_params_say_what_is_allowed(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["Hi", "there"], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+# --- interrupted generate -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_generate_aborts_its_requests(tiny_llama, monkeypatch, error):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [TEXT, "The quick brown fox", "x"]
+    expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise error("interrupted")
+        return step()
+
+    for _ in range(2):
+        calls.clear()
+        monkeypatch.setattr(engine, "step", failing_step)
+        with pytest.raises(error):
+            llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(engine, "step", step)
+        assert_all_blocks_free(llm)
+        assert engine.get_stats().num_running == engine.get_stats().num_waiting == 0
+    # The first interruption's abort outputs are drained by the second call's steps; the
+    # second's are still pending: a new call returns its own outputs only, unchanged.
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    while engine.has_unfinished_requests():
+        assert all(o.outputs[0].finish_reason == "abort" for o in engine.step())
+    assert_all_blocks_free(llm)
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bos_llama(tiny_llama, tmp_path_factory) -> str:
+    """The tiny model with a tokenizer that adds BOS (``<s>``, id 1) like Llama-3's and
+    Mistral's; its chat template starts with ``<s>`` too."""
+    path = tmp_path_factory.mktemp("bos_llama")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+    )
+    tok.save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path).encode("hi")[0] == tok.bos_token_id == 1
+    return str(path)
+
+
+def test_chat_prompt_has_exactly_one_bos(bos_llama):
+    llm = LLM(bos_llama, num_kv_blocks=64)
+    messages = [{"role": "user", "content": "hi"}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<s>")
+    outs = llm.chat([messages, messages], GREEDY, use_tqdm=False)
+    for out in outs:
+        assert out.prompt == text
+        assert out.prompt_token_ids.count(1) == 1 and out.prompt_token_ids[0] == 1
+    assert token_ids(outs) == token_ids(llm.chat(messages, GREEDY, use_tqdm=False)) * 2
 
 
 # --- SamplingParams -----------------------------------------------------------------------------
