@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
+import engine.generate
 from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +187,113 @@ def test_sampling_params_stays_a_vllm_style_dataclass():
     assert dataclasses.replace(params, top_k=-1).top_k == 0
     with pytest.raises(ValueError, match="max_token"):
         dataclasses.replace(params, max_token=3)
+
+
+# --- python -m engine.generate ------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(engine.generate, "LLM", load)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("error: ")
+    return err
+
+
+def write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path):
+    assert engine.generate.main(["--input", str(tmp_path / "missing.txt")]) == 2
+    assert "--input" in (err := one_error_line(capsys)) and "missing.txt" in err
+
+
+@pytest.mark.parametrize(
+    "bad_line, match",
+    [
+        ('{"prompt": "unterminated', "invalid JSON"),
+        ('["a list"]', "'prompt' or a 'messages' key"),
+        ('{"text": "hi"}', "'prompt' or a 'messages' key"),
+        ('{"prompt": 3}', "prompt must be a non-empty string"),
+        ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+    ],
+)
+def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, bad_line, match):
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "", bad_line])
+    assert engine.generate.main(["--input", path]) == 2
+    err = one_error_line(capsys)
+    assert "line 3" in err and match in err
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "2"], "--top-p"),
+        (["--top-k", "-5"], "--top-k"),
+        (["--min-p", "nan"], "--min-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--min-tokens", "20", "--max-tokens", "10"], "--min-tokens"),
+        (["--request-seed", "-1"], "--request-seed"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "24"], "--block-size"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+         "--num-speculative-tokens"),
+        (["--speculative-method", "draft"], "--draft-model"),
+        (["--speculative-method", "draft", "--draft-model", "{missing}"], "--draft-model"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--model", "{missing}"], "--model"),
+        (["--output", "{missing}/out.jsonl"], "--output"),
+        (["--prompt", ""], "--prompt"),
+    ],
+)  # fmt: skip
+def test_generate_script_names_the_bad_flag(no_model, capsys, tmp_path, flags, named):
+    flags = [f.format(missing=tmp_path / "missing") for f in flags]
+    assert engine.generate.main(["--prompt", "hi", *flags]) == 2
+    assert one_error_line(capsys).startswith(f"error: {named}: ")
+
+
+def test_generate_script_exits_2_without_a_traceback(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "{"])
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.generate", "--input", path],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: --input: ") and run.stderr.count("\n") == 1
+
+
+def test_generate_script_help_shows_each_default_once(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    parser = engine.generate.build_parser()
+    options = parser.format_help().split("options:", 1)[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options)]
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[0].removeprefix("--")
+        [entry] = [e for e in entries if e.split(" ")[0] == f"--{flag}"]
+        assert entry.count("default") <= 1, entry
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in entry, entry
+
+
+def test_jsonl_prompts_round_trip(tmp_path):
+    """read_prompts keeps prompts and message lists as they are."""
+    messages = [{"role": "user", "content": "hi"}]
+    path = write_jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"prompt": "a"}), json.dumps({"messages": messages})]
+    )
+    args = engine.generate.build_parser().parse_args(["--input", path])
+    assert engine.generate.read_prompts(args) == ["a", messages]
 
 
 # --- import graph -------------------------------------------------------------------------------
