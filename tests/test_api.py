@@ -279,8 +279,7 @@ def test_generate_script_help_shows_each_default_once(monkeypatch):
     for action in parser._actions:
         if action.dest == "help":
             continue
-        flag = action.option_strings[0].removeprefix("--")
-        [entry] = [e for e in entries if e.split(" ")[0] == f"--{flag}"]
+        [entry] = [e for e in entries if e.split(" ")[0] == action.option_strings[0]]
         assert entry.count("default") <= 1, entry
         if action.default is not None and action.default is not False:
             assert f"(default: {action.default})" in entry, entry
