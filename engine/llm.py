@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
@@ -13,7 +14,11 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# One prompt: text, token ids (ints or numpy integers), or one of vLLM's prompt dicts,
+# {"prompt": text} or {"prompt_token_ids": token ids}.
+Prompt = str | Sequence[int] | np.ndarray | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+Messages = list[dict[str, str]]
 
 
 class LLM:
@@ -27,69 +32,157 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Iterable[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
-                )
-        engine = self.llm_engine
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(str(self._next_id))
-                self._next_id += 1
-                engine.add_request(ids[-1], prompt, p)
-        except ValueError:
-            for request_id in ids:
-                engine.abort_request(request_id)
-            raise
-        return self._run(ids, use_tqdm)
+        """Run every prompt to completion; outputs come back in prompt order. An output's
+        ``prompt`` is the prompt's text, or None for a prompt given as token ids."""
+        batch = [_normalize_prompt(p) for p in _prompt_list(prompts)]
+        return self._generate(batch, sampling_params, use_tqdm)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        messages: Messages | list[Messages],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template to one conversation or a list of them; each
+        output's ``prompt`` is the rendered template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        rendered = [render_chat(self.tokenizer, c) for c in conversations]
+        outputs = self._generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for out, (text, _) in zip(outputs, rendered, strict=True):
+            out.prompt = text
+        return outputs
+
+    def _generate(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Add every prompt, then step until all are done. On the way out of a failed or
+        interrupted call (KeyboardInterrupt included) its unfinished requests are aborted, so
+        they hold no KV blocks and a later call does not advance them."""
+        params = _params_list(sampling_params, len(prompts))
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                engine.abort_request(request_id)  # False for those already finished
+            raise
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0
         seen: dict[str, int] = {}
-        while pending:
-            for out in engine.step():
-                if out.request_id not in pending:
-                    continue
-                total = sum(len(c.token_ids) for c in out.outputs)
-                generated += total - seen.get(out.request_id, 0)
-                seen[out.request_id] = total
-                if out.finished:
-                    pending.discard(out.request_id)
-                    finished[out.request_id] = out
-                    bar.update(1)
-            bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
-        bar.close()
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for out in engine.step():
+                    if out.request_id not in pending:
+                        continue
+                    total = sum(len(c.token_ids) for c in out.outputs)
+                    generated += total - seen.get(out.request_id, 0)
+                    seen[out.request_id] = total
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
+                rate = generated / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:.1f}")
         return [finished[i] for i in ids]
+
+
+def render_chat(tokenizer: Any, messages: Messages) -> tuple[str, list[int]]:
+    """``messages`` through the chat template (with the generation prompt), as text and as token
+    ids. The template writes any BOS itself, so the text is encoded without special tokens:
+    adding them would double the BOS on Llama-3 or Mistral tokenizers."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, and this model has none")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _prompt_list(prompts: Prompt | Iterable[Prompt]) -> list:
+    """One prompt -> [it]; several -> a list. Token ids (a list whose first element is an
+    integer, or a 1-D numpy array) are one prompt; a 2-D array is one prompt per row."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str | dict) or not isinstance(prompts, Iterable):
+        return [prompts]
+    items = list(prompts)
+    return [items] if items and _is_token_id(items[0]) else items
+
+
+def _normalize_prompt(prompt: Prompt) -> str | list[int]:
+    """What the engine takes: text, or token ids as Python ints."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        return _from_prompt_dict(prompt)
+    if isinstance(prompt, list | tuple | np.ndarray):
+        return _token_ids(prompt, "prompt")
+    raise ValueError(
+        "prompt must be a str, a list of token ids, {'prompt': str} or "
+        f"{{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}"
+    )
+
+
+def _from_prompt_dict(prompt: dict) -> str | list[int]:
+    if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+        raise ValueError(
+            "a prompt dict has exactly one key, 'prompt' (text) or 'prompt_token_ids', "
+            f"got {list(prompt)}"
+        )
+    if "prompt_token_ids" in prompt:
+        return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+    text = prompt["prompt"]
+    if not isinstance(text, str):
+        raise ValueError(f"prompt must be a str, got {type(text).__name__}")
+    return text
+
+
+def _token_ids(value: object, name: str) -> list[int]:
+    """Token ids as Python ints (numpy integers converted); the engine checks their range."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, list | tuple) or not all(_is_token_id(t) for t in value):
+        raise ValueError(f"{name} must be a list of integer token ids, got {value!r:.80}")
+    return [int(t) for t in value]
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _params_list(
+    sampling_params: SamplingParams | list[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    if not isinstance(sampling_params, list | tuple):
+        raise ValueError(
+            "sampling_params must be a SamplingParams, a list of them or None, "
+            f"got {type(sampling_params).__name__}"
+        )
+    for i, p in enumerate(sampling_params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(
+                f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}"
+            )
+    if len(sampling_params) != num_prompts:
+        raise ValueError(
+            f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
+        )
+    return list(sampling_params)

@@ -1,7 +1,7 @@
 """Build a model and fill its weights from a HF directory, a GGUF file, or random numbers.
 
 Sources: a HF model directory (config.json + *.safetensors, sharded or not, + tokenizer files),
-a ``.gguf`` file (dequantized with the ``gguf`` package), or ``None`` for the default model
+a ``.gguf`` file (dequantized by ``engine.gguf_loader``), or ``None`` for the default model
 (converted once from its GGUF into a cache directory, see ``engine.default_model``).
 """
 
@@ -11,13 +11,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import gguf
-import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.default_model import default_model_dir
+from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
 from engine.models.layers import Linear, RMSNorm
 from engine.models.llama import head_dim_of
@@ -25,31 +25,6 @@ from engine.models.llama import head_dim_of
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-_Q = gguf.GGMLQuantizationType
-# Weight types the gguf package dequantizes that we accept; anything else is rejected up front.
-GGUF_SUPPORTED_TYPES = (
-    _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
-    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
-)  # fmt: skip
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 # What a checkpoint source yields: config, tokenizer, and its HF-named weights (None: dummy).
 _Source = tuple[PretrainedConfig, PreTrainedTokenizerBase | None, Iterator | None]
@@ -118,8 +93,6 @@ def load_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if model is None:
-        from engine.default_model import default_model_dir
-
         path = default_model_dir()
     else:
         path = os.path.abspath(os.path.expanduser(str(model)))
@@ -183,62 +156,12 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _open_gguf(path: str, dummy: bool) -> _Source:
-    reader = gguf.GGUFReader(path)
-    check_gguf_types(reader)
+    reader = read_gguf(path)
     folder, name = os.path.split(path)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     get_model_class(config)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return config, tokenizer, None if dummy else iter_gguf(reader, config)
-
-
-def check_gguf_types(reader: gguf.GGUFReader) -> None:
-    """ValueError naming the first tensor whose quantization type we cannot dequantize."""
-    for t in reader.tensors:
-        if t.tensor_type not in GGUF_SUPPORTED_TYPES:
-            supported = [q.name for q in GGUF_SUPPORTED_TYPES]
-            raise ValueError(
-                f"GGUF tensor {t.name!r} has unsupported quantization type "
-                f"{t.tensor_type.name}; supported: {supported}"
-            )
-
-
-def gguf_to_hf_name(name: str) -> str:
-    """GGUF -> HF name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if name == "rope_freqs.weight":
-        raise ValueError(
-            "GGUF tensor 'rope_freqs.weight' (llama3 rope scaling factors) is not supported; "
-            "load the HF checkpoint instead"
-        )
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the supported models")
-
-
-def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert_hf_to_gguf ``permute`` of q/k rows (per head: interleaved halves
-    back to rotate-half order)."""
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def iter_gguf(
-    reader: gguf.GGUFReader, config: PretrainedConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every GGUF tensor, dequantized and in HF layout."""
-    arch = reader.get_field("general.architecture").contents()
-    for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        # llama.cpp permutes q/k rows only for its "llama" architecture (llama, mistral).
-        if arch == "llama" and ".q_proj." in name:
-            w = unpermute_qk(w, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            w = unpermute_qk(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
 @torch.no_grad()

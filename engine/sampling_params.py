@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -22,15 +24,30 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
+        """An unknown keyword is a ValueError (the dataclass __init__ would raise TypeError)."""
+        allowed = sorted(f.name for f in fields(cls) if f.init)
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s) {unknown}; allowed: {allowed}")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
-        _check_number("temperature", self.temperature, "a number >= 0")
+        _check_number("temperature", self.temperature, "a finite number >= 0")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         _check_number("top_p", self.top_p, "a number in (0, 1]")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, 0, "top_k must be 0 (off) or a positive integer")
+        if isinstance(self.top_k, int) and self.top_k == -1:
+            self.top_k = 0  # vLLM's "off"; downstream reads 0 as off
+        _check_int(
+            "top_k",
+            self.top_k,
+            0,
+            f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}",
+        )
         _check_number("min_p", self.min_p, "a number in [0, 1]")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -59,8 +76,9 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         self.stop_token_ids = list(ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -68,7 +86,8 @@ class SamplingParams:
 
 
 def _check_number(name: str, value: object, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+    """A real, finite number (no bool, nan or inf)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 

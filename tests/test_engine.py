@@ -236,6 +236,14 @@ def test_bad_requests_raise_and_harm_nobody(tiny_llama, prompt, params, match):
         dict(logprobs=-1),
         dict(seed=-1),
         dict(temperature="hot"),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(top_p=float("inf")),
+        dict(top_p=float("nan")),
+        dict(min_p=float("inf")),
+        dict(min_p=float("nan")),
+        dict(top_k=-1.0),
+        dict(include_stop_str_in_output="yes"),
     ],
 )
 def test_sampling_params_validation_names_the_field(bad):

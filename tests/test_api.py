@@ -1,0 +1,331 @@
+"""The user-facing API around the engine: what ``LLM.generate`` / ``LLM.chat`` accept, what an
+interrupted call leaves behind, ``SamplingParams`` validation, the ``python -m engine.generate``
+script's handling of bad input, and the model-loading modules' import graph."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoTokenizer
+
+import engine.generate
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+TEXT = "one two three"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(tiny_llama, num_kv_blocks=64)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert engine.get_stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def test_prompt_dicts_generate_like_the_plain_forms(llm):
+    ids = llm.tokenizer.encode(TEXT)
+    outs = llm.generate(
+        [{"prompt": TEXT}, {"prompt_token_ids": ids}, TEXT, ids], GREEDY, use_tqdm=False
+    )
+    assert [o.prompt for o in outs] == [TEXT, None, TEXT, None]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(t) for t in token_ids(outs)}) == 1
+    for single in ({"prompt": TEXT}, {"prompt_token_ids": ids}):
+        assert token_ids(llm.generate(single, GREEDY, use_tqdm=False)) == token_ids(outs[:1])
+
+
+def test_numpy_token_ids_are_one_prompt(llm):
+    ids = llm.tokenizer.encode(TEXT)
+    expected = token_ids(llm.generate(ids, GREEDY, use_tqdm=False))
+    as_numpy = [np.int64(t) for t in ids]
+    for prompt in (as_numpy, np.array(ids), {"prompt_token_ids": as_numpy}):
+        outs = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert token_ids(outs) == expected
+        assert all(type(t) is int for t in outs[0].prompt_token_ids)
+    outs = llm.generate([np.array(ids), as_numpy], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == expected * 2
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"text": TEXT}, "'prompt'.*'prompt_token_ids'.*'text'"),
+        ({}, "'prompt'.*'prompt_token_ids'"),
+        ({"prompt": TEXT, "prompt_token_ids": [1, 2]}, "'prompt'.*'prompt_token_ids'"),
+        ({"prompt": [1, 2]}, "prompt must be a str, got list"),
+        ({"prompt_token_ids": "1 2"}, "prompt_token_ids must be a list of integer token ids"),
+        ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids must be a list of integer token ids"),
+        ({"prompt_token_ids": [True]}, "prompt_token_ids must be a list of integer token ids"),
+        (3, "prompt must be a str, a list of token ids"),
+    ],
+)
+def test_bad_prompts_name_the_field_and_add_nothing(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine", prompt], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"temperature": 0}, "sampling_params must be a SamplingParams, a list of them or None, "
+                             "got dict"),
+        ("greedy", "sampling_params must be .*, got str"),
+        ([GREEDY, {"temperature": 0}], r"sampling_params\[1\] must be a SamplingParams, got dict"),
+        ([GREEDY], "sampling_params has 1 entries for 2 prompts"),
+    ],
+)  # fmt: skip
+def test_bad_sampling_params_say_what_is_allowed(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["Hi", "there"], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+# --- interrupted generate -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_generate_aborts_its_requests(tiny_llama, monkeypatch, error):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [TEXT, "The quick brown fox", "x"]
+    expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise error("interrupted")
+        return step()
+
+    for _ in range(2):
+        calls.clear()
+        monkeypatch.setattr(engine, "step", failing_step)
+        with pytest.raises(error):
+            llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(engine, "step", step)
+        assert_all_blocks_free(llm)
+        assert engine.get_stats().num_running == engine.get_stats().num_waiting == 0
+    # The first interruption's abort outputs are drained by the second call's steps; the
+    # second's are still pending: a new call returns its own outputs only, unchanged.
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    while engine.has_unfinished_requests():
+        assert all(o.outputs[0].finish_reason == "abort" for o in engine.step())
+    assert_all_blocks_free(llm)
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bos_llama(tiny_llama, tmp_path_factory) -> str:
+    """The tiny model with a tokenizer that adds BOS (``<s>``, id 1) like Llama-3's and
+    Mistral's; its chat template starts with ``<s>`` too."""
+    path = tmp_path_factory.mktemp("bos_llama")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+    )
+    tok.save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path).encode("hi")[0] == tok.bos_token_id == 1
+    return str(path)
+
+
+def test_chat_prompt_has_exactly_one_bos(bos_llama):
+    llm = LLM(bos_llama, num_kv_blocks=64)
+    messages = [{"role": "user", "content": "hi"}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<s>")
+    outs = llm.chat([messages, messages], GREEDY, use_tqdm=False)
+    for out in outs:
+        assert out.prompt == text
+        assert out.prompt_token_ids.count(1) == 1 and out.prompt_token_ids[0] == 1
+    assert token_ids(outs) == token_ids(llm.chat(messages, GREEDY, use_tqdm=False)) * 2
+
+
+# --- SamplingParams -----------------------------------------------------------------------------
+
+
+def test_top_k_minus_one_means_off():
+    assert SamplingParams(top_k=-1).top_k == SamplingParams().top_k == 0
+
+
+def test_unknown_sampling_param_is_a_value_error_listing_the_fields():
+    with pytest.raises(ValueError, match="unknown.*'max_token'.*allowed.*'max_tokens'"):
+        SamplingParams(max_token=5)
+
+
+def test_sampling_params_stays_a_vllm_style_dataclass():
+    params = SamplingParams(temperature=0.5, include_stop_str_in_output=True)
+    assert dataclasses.is_dataclass(params) and params.include_stop_str_in_output
+    assert SamplingParams().include_stop_str_in_output is False
+    assert dataclasses.replace(params, top_k=-1).top_k == 0
+    with pytest.raises(ValueError, match="max_token"):
+        dataclasses.replace(params, max_token=3)
+
+
+# --- python -m engine.generate ------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(engine.generate, "LLM", load)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("error: ")
+    return err
+
+
+def write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path):
+    assert engine.generate.main(["--input", str(tmp_path / "missing.txt")]) == 2
+    assert "--input" in (err := one_error_line(capsys)) and "missing.txt" in err
+
+
+@pytest.mark.parametrize(
+    "bad_line, match",
+    [
+        ('{"prompt": "unterminated', "invalid JSON"),
+        ('["a list"]', "'prompt' or a 'messages' key"),
+        ('{"text": "hi"}', "'prompt' or a 'messages' key"),
+        ('{"prompt": 3}', "prompt must be a non-empty string"),
+        ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+    ],
+)
+def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, bad_line, match):
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "", bad_line])
+    assert engine.generate.main(["--input", path]) == 2
+    err = one_error_line(capsys)
+    assert "line 3" in err and match in err
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "2"], "--top-p"),
+        (["--top-k", "-5"], "--top-k"),
+        (["--min-p", "nan"], "--min-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--min-tokens", "20", "--max-tokens", "10"], "--min-tokens"),
+        (["--request-seed", "-1"], "--request-seed"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "24"], "--block-size"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+         "--num-speculative-tokens"),
+        (["--speculative-method", "draft"], "--draft-model"),
+        (["--speculative-method", "draft", "--draft-model", "{missing}"], "--draft-model"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--model", "{missing}"], "--model"),
+        (["--output", "{missing}/out.jsonl"], "--output"),
+        (["--prompt", ""], "--prompt"),
+    ],
+)  # fmt: skip
+def test_generate_script_names_the_bad_flag(no_model, capsys, tmp_path, flags, named):
+    flags = [f.format(missing=tmp_path / "missing") for f in flags]
+    assert engine.generate.main(["--prompt", "hi", *flags]) == 2
+    assert one_error_line(capsys).startswith(f"error: {named}: ")
+
+
+def test_generate_script_exits_2_without_a_traceback(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "{"])
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.generate", "--input", path],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: --input: ") and run.stderr.count("\n") == 1
+
+
+def test_generate_script_help_shows_each_default_once(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    parser = engine.generate.build_parser()
+    options = parser.format_help().split("options:", 1)[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options)]
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        [entry] = [e for e in entries if e.split(" ")[0] == action.option_strings[0]]
+        assert entry.count("default") <= 1, entry
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in entry, entry
+
+
+def test_jsonl_prompts_round_trip(tmp_path):
+    """read_prompts keeps prompts and message lists as they are."""
+    messages = [{"role": "user", "content": "hi"}]
+    path = write_jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"prompt": "a"}), json.dumps({"messages": messages})]
+    )
+    args = engine.generate.build_parser().parse_args(["--input", path])
+    assert engine.generate.read_prompts(args) == ["a", messages]
+
+
+# --- import graph -------------------------------------------------------------------------------
+
+LOADING_MODULES = ("engine.gguf_loader", "engine.default_model", "engine.model_loader")
+
+
+@pytest.mark.parametrize("module", LOADING_MODULES)
+def test_each_loading_module_imports_first_in_a_fresh_interpreter(module):
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def engine_imports(module: str) -> set[str]:
+    """Every engine module ``module`` imports, at the top or inside a function."""
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("engine.")}
+
+
+def test_loading_modules_import_each_other_without_a_cycle():
+    graph = {m: engine_imports(m) & set(LOADING_MODULES) for m in LOADING_MODULES}
+    order = []
+    while graph:
+        ready = [m for m, deps in graph.items() if deps <= set(order)]
+        assert ready, f"import cycle among {sorted(graph)}: {graph}"
+        order += ready
+        for m in ready:
+            del graph[m]
