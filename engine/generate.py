@@ -22,10 +22,10 @@ from engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, EngineConfig,
 from engine.llm import LLM, render_chat
 from engine.model_loader import resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
+from engine.prompt_files import Messages, read_prompts
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
-Messages = list[dict[str, str]]
 
 # Config field -> the option (argparse dest) that sets it.
 SAMPLING_OPTIONS = {
@@ -114,63 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(args: argparse.Namespace) -> list[str | Messages]:
-    """Plain strings, or message lists for chat; a ValueError names --prompt or the input line."""
-    if args.prompt:
-        return [_check_prompt(p, "--prompt") for p in args.prompt]
-    try:
-        text = args.input.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"--input: cannot read {args.input}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--input: {args.input} is not UTF-8 text: {e.reason}") from None
-    jsonl = args.input.suffix == ".jsonl"
-    items = [
-        _parse_jsonl_line(line, f"--input: {args.input}, line {n}") if jsonl else line
-        for n, line in enumerate(text.splitlines(), 1)
-        if line.strip()
-    ]
-    if not items:
-        raise ValueError(f"--input: no prompts in {args.input}")
-    return items
-
-
-def _parse_jsonl_line(line: str, where: str) -> str | Messages:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-    if isinstance(obj, dict) and "messages" in obj:
-        return _check_messages(obj["messages"], where)
-    if isinstance(obj, dict) and "prompt" in obj:
-        return _check_prompt(obj["prompt"], where)
-    raise ValueError(f"{where}: expected an object with a 'prompt' or a 'messages' key")
-
-
-def _check_prompt(prompt: object, where: str) -> str:
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: prompt must be a non-empty string, got {prompt!r:.60}")
-    return prompt
-
-
-def _check_messages(messages: object, where: str) -> Messages:
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
-        raise ValueError(
-            f"{where}: messages must be a non-empty list of {{'role': str, 'content': str}}, "
-            f"got {messages!r:.60}"
-        )
-    return messages
-
-
 def _from_options(
     factory: Callable[..., T], options: dict[str, str], args: argparse.Namespace, **extra: Any
 ) -> T:
@@ -208,7 +151,7 @@ def check_args(
     args: argparse.Namespace,
 ) -> tuple[list[str | Messages], SamplingParams, EngineConfig]:
     """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
-    items = read_prompts(args)
+    items = read_prompts(args.prompt, args.input)
     params = _from_options(SamplingParams, SAMPLING_OPTIONS, args)
     spec = None
     if args.speculative_method:

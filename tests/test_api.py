@@ -292,7 +292,7 @@ def test_jsonl_prompts_round_trip(tmp_path):
         tmp_path / "in.jsonl", [json.dumps({"prompt": "a"}), json.dumps({"messages": messages})]
     )
     args = engine.generate.build_parser().parse_args(["--input", path])
-    assert engine.generate.read_prompts(args) == ["a", messages]
+    assert engine.generate.read_prompts(args.prompt, args.input) == ["a", messages]
 
 
 # --- import graph -------------------------------------------------------------------------------
