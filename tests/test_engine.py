@@ -179,14 +179,28 @@ def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_llama):
 
 
 def test_logprobs_match_log_softmax(tiny_llama):
+    """Each reported logprob equals HF transformers' log_softmax (float64) of the next-token
+    logits at that position; the entry holds the sampled token and the top 3."""
     llm = LLM(tiny_llama, num_kv_blocks=64)
-    out = llm.generate(
-        PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False
-    )[0].outputs[0]
-    assert len(out.logprobs) == 4
-    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
-        assert token in entry and len(entry) <= 4
-        assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the top token
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float64).eval()
+    for params in (
+        SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=3, ignore_eos=True),
+    ):
+        out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+        comp = out.outputs[0]
+        assert len(comp.logprobs) == len(comp.token_ids) == 8
+        ids = out.prompt_token_ids + comp.token_ids[:-1]
+        with torch.no_grad():
+            exact = hf(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 :]
+        exact = exact.log_softmax(-1)
+        for j, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+            top = set(exact[j].topk(3).indices.tolist())
+            assert token in entry and set(entry) == top | {token}
+            for t, lp in entry.items():
+                assert lp == pytest.approx(float(exact[j, t]), abs=1e-4), (j, t)
+            if params.temperature == 0:
+                assert token == int(exact[j].argmax())
 
 
 @pytest.mark.parametrize(
