@@ -4,6 +4,7 @@ a freshly seeded random generator."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -94,6 +95,7 @@ def build_random_llama(
     logit_std: float = 2.0,
     like: str | None = None,
     noise: float = 0.0,
+    head_scale: float = 1.0,
     **overrides,
 ) -> str:
     """A tiny Llama with every weight re-drawn at a large scale and no tokenizer (prompts are
@@ -105,8 +107,9 @@ def build_random_llama(
     norm scales 1 + N(0, 0.1²), and the LM head is scaled so logits have a spread of about
     ``logit_std``: peaked but far from one-hot.
 
-    ``like``: start from that model's weights instead and add ``noise`` x each tensor's own std
-    of Gaussian noise (a draft model that agrees with the target some of the time).
+    ``like``: start from that model's weights instead, add ``noise`` x each tensor's own std of
+    Gaussian noise (a draft model that agrees with the target some of the time), multiply the LM
+    head by ``head_scale`` (sharper or flatter), and copy its tokenizer files if it has any.
     """
     torch.manual_seed(seed)
     if like is not None:
@@ -114,7 +117,11 @@ def build_random_llama(
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * noise * p.std())
+            model.lm_head.weight.mul_(head_scale)
         model.save_pretrained(path)
+        for name in os.listdir(like):
+            if name.startswith("tokenizer") or name == "special_tokens_map.json":
+                shutil.copy(os.path.join(like, name), os.path.join(path, name))
         return str(path)
     options = dict(
         vocab_size=64,
