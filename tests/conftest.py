@@ -4,6 +4,7 @@ a freshly seeded random generator."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -85,3 +86,68 @@ def gen() -> torch.Generator:
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"generator seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+def build_random_llama(
+    path,
+    seed: int = 0,
+    std: float = 0.2,
+    logit_std: float = 2.0,
+    like: str | None = None,
+    noise: float = 0.0,
+    head_scale: float = 1.0,
+    **overrides,
+) -> str:
+    """A tiny Llama with every weight re-drawn at a large scale and no tokenizer (prompts are
+    token ids), saved as a HF directory.
+
+    HF's default init (std 0.02) leaves attention logits near zero, so attention is close to
+    uniform and a wrong softmax scale or rope base barely shows. Here q/k/v/o and MLP weights are
+    N(0, std²) (std 0.2 at hidden 64: attention logits of several units), embeddings N(0, 1),
+    norm scales 1 + N(0, 0.1²), and the LM head is scaled so logits have a spread of about
+    ``logit_std``: peaked but far from one-hot.
+
+    ``like``: start from that model's weights instead, add ``noise`` x each tensor's own std of
+    Gaussian noise (a draft model that agrees with the target some of the time), multiply the LM
+    head by ``head_scale`` (sharper or flatter), and copy its tokenizer files if it has any.
+    """
+    torch.manual_seed(seed)
+    if like is not None:
+        model = LlamaForCausalLM.from_pretrained(like, torch_dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise * p.std())
+            model.lm_head.weight.mul_(head_scale)
+        model.save_pretrained(path)
+        for name in os.listdir(like):
+            if name.startswith("tokenizer") or name == "special_tokens_map.json":
+                shutil.copy(os.path.join(like, name), os.path.join(path, name))
+        return str(path)
+    options = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg = LlamaConfig(**(options | overrides))
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif name == "lm_head.weight":
+                # inputs to the head are RMS-normalised (entries ~1): logits ~ std * sqrt(hidden)
+                p.normal_(0.0, logit_std / cfg.hidden_size**0.5)
+            else:
+                p.normal_(0.0, std)
+    model.save_pretrained(path)
+    return str(path)

@@ -179,14 +179,28 @@ def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_llama):
 
 
 def test_logprobs_match_log_softmax(tiny_llama):
+    """Each reported logprob equals HF transformers' log_softmax (float64) of the next-token
+    logits at that position; the entry holds the sampled token and the top 3."""
     llm = LLM(tiny_llama, num_kv_blocks=64)
-    out = llm.generate(
-        PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False
-    )[0].outputs[0]
-    assert len(out.logprobs) == 4
-    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
-        assert token in entry and len(entry) <= 4
-        assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the top token
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float64).eval()
+    for params in (
+        SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=3, ignore_eos=True),
+    ):
+        out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+        comp = out.outputs[0]
+        assert len(comp.logprobs) == len(comp.token_ids) == 8
+        ids = out.prompt_token_ids + comp.token_ids[:-1]
+        with torch.no_grad():
+            exact = hf(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 :]
+        exact = exact.log_softmax(-1)
+        for j, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+            top = set(exact[j].topk(3).indices.tolist())
+            assert token in entry and set(entry) == top | {token}
+            for t, lp in entry.items():
+                assert lp == pytest.approx(float(exact[j, t]), abs=1e-4), (j, t)
+            if params.temperature == 0:
+                assert token == int(exact[j].argmax())
 
 
 @pytest.mark.parametrize(
@@ -286,7 +300,8 @@ def test_random_requests_with_aborts_finish_and_free_every_block(tiny_llama):
     for rid, out in finished.items():
         reasons = {c.finish_reason for c in out.outputs}
         assert reasons <= {"stop", "length", "abort"}
-        assert ("abort" in reasons) == (rid in aborted and "abort" in reasons)
+        # an aborted request had an unfinished sample (else it was no longer abortable)
+        assert ("abort" in reasons) == (rid in aborted)
     stats = engine.get_stats()
     assert stats.num_free_blocks == 40 and stats.num_running == stats.num_waiting == 0
 
@@ -305,3 +320,105 @@ def test_parallel_samples_count_against_max_num_seqs(tiny_llama):
                 finished[out.request_id] = out
         assert len(engine.scheduler.running) <= 4
     assert all(len(o.outputs) == 3 for o in finished.values()) and len(finished) == 2
+
+
+def _drain(engine: LLMEngine) -> dict[str, list]:
+    """Step to the end; every output each request got, in order."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+def _assert_aborted(out, num_samples: int, tokens_before: list[list[int]] | None = None) -> None:
+    assert out.finished
+    assert len(out.outputs) == num_samples
+    for c in out.outputs:
+        assert c.finish_reason == "abort" and c.finished, (c.index, c.finish_reason)
+    if tokens_before is not None:  # what was generated before the abort is kept, nothing more
+        assert [c.token_ids for c in out.outputs] == tokens_before
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_abort_running_request_reports_abort_for_every_sample_and_frees_its_blocks(
+    tiny_llama, tiny_draft, spec
+):
+    spec_config = {
+        None: None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "max_draft_skip": 0},
+        "draft": {"method": "draft", "draft_model": tiny_draft, "num_speculative_tokens": 3},
+    }[spec]
+    engine = LLMEngine(
+        EngineConfig(model=tiny_llama, num_kv_blocks=48, speculative_config=spec_config)
+    )
+    many = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=60, ignore_eos=True)
+    engine.add_request("victim", PROMPTS[1], many)
+    engine.add_request("single", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60))
+    engine.add_request("bystander", PROMPTS[2], GREEDY)
+    latest = {}
+    for _ in range(4):
+        for out in engine.step():
+            latest[out.request_id] = out
+    before = [list(c.token_ids) for c in latest["victim"].outputs]
+    assert len(before) == 3 and all(before) and not latest["victim"].finished
+    assert engine.abort_request("victim") and engine.abort_request("single")
+    assert not engine.abort_request("victim")  # already gone
+    seen = _drain(engine)
+    assert len(seen["victim"]) == 1 and len(seen["single"]) == 1  # one final output each
+    _assert_aborted(seen["victim"][0], 3, before)
+    _assert_aborted(seen["single"][0], 1, [latest["single"].outputs[0].token_ids])
+    # the bystander is unharmed: its greedy tokens are those of a run alone
+    alone = run(LLM(tiny_llama, num_kv_blocks=48), [PROMPTS[2]])[0]
+    assert seen["bystander"][-1].outputs[0].token_ids == alone
+    assert seen["bystander"][-1].outputs[0].finish_reason == "length"
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_abort_waiting_and_half_prefilled_requests(tiny_llama):
+    # max_num_seqs=2 keeps "waiting" out of the running set; a 7-token budget leaves "long"
+    # half prefilled (its blocks allocated, no output yet) when it is aborted.
+    engine = LLMEngine(
+        EngineConfig(model=tiny_llama, num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=7)
+    )
+    engine.add_request("long", PROMPTS[1], SamplingParams(max_tokens=8))
+    engine.add_request("first", PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=8))
+    engine.add_request("waiting", PROMPTS[2], SamplingParams(max_tokens=8))
+    engine.step()  # a prefill chunk of "long"
+    stats = engine.get_stats()
+    assert stats.num_waiting >= 1 and stats.num_free_blocks < stats.num_total_blocks
+    assert engine.abort_request("waiting") and engine.abort_request("long")
+    seen = _drain(engine)
+    _assert_aborted(seen["waiting"][-1], 1, [[]])
+    _assert_aborted(seen["long"][-1], 1, [[]])
+    assert len(seen["waiting"]) == len(seen["long"]) == 1
+    assert [c.finish_reason for c in seen["first"][-1].outputs] == ["length", "length"]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_abort_everything_under_preemption_frees_every_block(tiny_llama):
+    engine = LLMEngine(
+        EngineConfig(model=tiny_llama, num_kv_blocks=10, max_num_batched_tokens=32,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    )  # fmt: skip
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    while engine.get_stats().num_preemptions == 0:
+        engine.step()
+    assert engine.get_stats().num_waiting > 0  # some are preempted or never started
+    for i in range(len(PROMPTS)):
+        assert engine.abort_request(str(i))
+    seen = _drain(engine)
+    assert sorted(seen) == [str(i) for i in range(len(PROMPTS))]
+    for outs in seen.values():
+        assert len(outs) == 1
+        assert outs[0].finished
+        assert all(c.finish_reason == "abort" for c in outs[0].outputs)
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks == 10
+    assert stats.num_running == stats.num_waiting == 0

@@ -92,11 +92,19 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
     monkeypatch.setattr(ext, "linear_silu_mul", lambda *a: fused_calls.append(1) or fused(*a))
     proj = layers.Linear(24, 2 * inter, bias=bias).requires_grad_(False)
     proj.weight.data = torch.randn(2 * inter, 24, generator=gen)
+    if bias:
+        proj.bias.data = torch.randn(2 * inter, generator=gen)
     proj.prepack()
+    gate, up = proj.weight.double().chunk(2)
+    gate_bias, up_bias = proj.bias.double().chunk(2) if bias else (None, None)
     for shape in [(1, 24), (2, 24), (3, 24), (7, 24), (300, 24), (2, 5, 24)]:
         x = torch.randn(shape, generator=gen)
         got = layers.swiglu(proj, x)
         assert got.shape == (*shape[:-1], inter)
         assert torch.equal(got, layers.silu_and_mul(proj(x)))
+        # and both equal the plain PyTorch formula (float64 oracle), not merely each other
+        x64 = x.double()
+        exact = F.silu(F.linear(x64, gate, gate_bias)) * F.linear(x64, up, up_bias)
+        assert close(got, exact, tol=1e-5), shape
     assert len(fused_calls) == (4 if inter == 48 and not bias else 0)  # 3+ rows only (36: no
     # multiple of the SIMD width, 8 or 16 floats)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_llama
+from conftest import build_random_llama, build_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
@@ -36,6 +36,39 @@ def plain(tiny_llama):
 
 # Backoff off: every eligible step drafts, so the lossless tests exercise as many rounds as can be.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_draft_skip": 0}
+
+
+@pytest.fixture(scope="module")
+def partial_draft(tiny_llama, tmp_path_factory) -> str:
+    """The target's weights plus noise (0.3 x each tensor's std): its greedy drafts agree with
+    the target about a quarter of the time, at every draft position. (An unrelated random
+    draft is accepted almost never, which leaves the accept path untested.)"""
+    return build_random_llama(
+        tmp_path_factory.mktemp("partial_draft"), seed=3, like=tiny_llama, noise=0.3
+    )
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_llama, tmp_path_factory) -> tuple[str, str]:
+    """(target, draft) for sampled runs: tiny_llama with a 3x sharper LM head (at temperature
+    ~1 tiny_llama's top token has only ~5-10% of the mass, so almost no sampled token matches a
+    greedy draft), and that target plus noise as its draft."""
+    target = build_random_llama(
+        tmp_path_factory.mktemp("sharp_target"), like=tiny_llama, head_scale=3.0
+    )
+    draft = build_random_llama(tmp_path_factory.mktemp("sharp_draft"), seed=3, like=target,
+                               noise=0.3)  # fmt: skip
+    return target, draft
+
+
+def draft_spec(draft: str, k: int = 3) -> dict:
+    return {"method": "draft", "draft_model": draft, "num_speculative_tokens": k,
+            "max_draft_skip": 0}  # fmt: skip
+
+
+def assert_some_accepted_some_rejected(llm) -> None:
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 @pytest.mark.parametrize(
@@ -107,11 +140,22 @@ def test_draft_backoff_doubles_on_failure_and_resets_on_success():
         DraftBackoff(-1)
 
 
-def test_draft_model_greedy_equals_plain_greedy(tiny_llama, tiny_draft, plain):
-    spec = {"method": "draft", "draft_model": tiny_draft, "num_speculative_tokens": 3}
-    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec, max_num_batched_tokens=32)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_kv_blocks=128, max_num_batched_tokens=32),  # chunked prefill
+        dict(num_kv_blocks=14, max_num_batched_tokens=64),  # forced preemption
+    ],
+    ids=["chunked", "preempt"],
+)
+def test_draft_model_greedy_equals_plain_greedy(tiny_llama, partial_draft, plain, kwargs):
+    llm = LLM(tiny_llama, speculative_config=draft_spec(partial_draft), **kwargs)
     assert generate(llm) == plain
-    assert llm.llm_engine.get_stats().num_draft_tokens > 0
+    assert_some_accepted_some_rejected(llm)
+    stats = llm.llm_engine.get_stats()
+    assert min(stats.accepted_by_position) > 0  # accepted drafts at every position
+    if kwargs["num_kv_blocks"] == 14:
+        assert stats.num_preemptions > 0
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, plain):
@@ -131,13 +175,17 @@ def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
         LLM(tiny_llama, num_kv_blocks=16, speculative_config=spec)
 
 
-def test_seeded_sampling_with_speculation_reproduces_itself(tiny_llama):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_with_speculation_equals_seeded_plain_sampling(sharp, method):
+    """Deterministic drafts verified against per-position seeded samples emit exactly the
+    tokens plain seeded sampling emits (top-p and temperature included)."""
+    target, draft = sharp
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
-    runs = [
-        generate(LLM(tiny_llama, num_kv_blocks=64, speculative_config=NGRAM), params=params)
-        for _ in range(2)
-    ]
-    assert runs[0] == runs[1]
+    plain = generate(LLM(target, num_kv_blocks=64), params=params)
+    spec = NGRAM if method == "ngram" else draft_spec(draft)
+    llm = LLM(target, num_kv_blocks=64, speculative_config=spec)
+    assert generate(llm, params=params) == plain
+    assert_some_accepted_some_rejected(llm)
 
 
 def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
@@ -164,12 +212,25 @@ def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
         assert out[0].outputs[0].token_ids == ref[:max_tokens]
 
 
-def test_n_and_logprobs_work_with_speculation(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=NGRAM)
-    params = SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
-    assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids
-    assert all(len(c.logprobs) == len(c.token_ids) == 12 for c in out.outputs)
+def test_n_and_logprobs_work_with_speculation(sharp):
+    """n seeded samples at temperature 1 under speculation: each is the plain run's sample,
+    with the plain run's logprobs (every entry), and the samples differ from one another."""
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=12, logprobs=2,
+                            ignore_eos=True)  # fmt: skip
+    target, draft = sharp
+    plain = LLM(target, num_kv_blocks=128).generate(PROMPTS[2], params, use_tqdm=False)[0]
+    llm = LLM(target, num_kv_blocks=128, speculative_config=draft_spec(draft))
+    out = llm.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    assert_some_accepted_some_rejected(llm)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    for c, ref in zip(out.outputs, plain.outputs, strict=True):
+        assert c.token_ids == ref.token_ids
+        assert len(c.logprobs) == len(c.token_ids) == 12
+        for entry, ref_entry in zip(c.logprobs, ref.logprobs, strict=True):
+            assert entry.keys() == ref_entry.keys()
+            for t, lp in entry.items():
+                assert lp == pytest.approx(ref_entry[t], abs=1e-5)
 
 
 def test_rollback_touches_no_kv_memory(tiny_llama):

@@ -1,0 +1,134 @@
+"""Sampling with speculation follows the target's law exactly: thousands of engine samples of a
+tiny-vocabulary random target, against the joint law of the first output tokens computed with HF
+transformers, by a chi-square test at p = 1e-4.
+
+Drafts start after the first output token (that one comes from the prefill), so the joint covers
+output tokens 0..3: tokens 1..3 went through verification (accepted drafts, recovered tokens and
+bonus tokens). With speculation off the same test is a control of the test itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import build_random_llama
+from stats import chi_square_test
+from transformers import LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+
+VOCAB = 8
+PROMPT = [1, 5, 3, 1, 5, 3, 7]  # repeats, so n-gram lookup finds drafts
+MAX_TOKENS = 4
+NUM_SAMPLES = 6000
+P_VALUE = 1e-4
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    logit_std=1.5,  # peaked, far from uniform and from one-hot
+)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return build_random_llama(tmp_path_factory.mktemp("dist_target"), seed=10, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, target) -> dict[str, str]:
+    return {
+        # an unrelated model: its greedy drafts are mostly rejected
+        "other": build_random_llama(
+            tmp_path_factory.mktemp("dist_other"), seed=11, **(SHAPE | {"num_hidden_layers": 1})
+        ),
+        # the target's weights plus noise: drafts accepted about half the time
+        "noisy": build_random_llama(
+            tmp_path_factory.mktemp("dist_noisy"), seed=12, like=target, noise=0.5
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def exact_joint(target):
+    """temperature -> float64 [V, V, V, V]: P(output tokens 0..3 = (a, b, c, d))."""
+    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=MAX_TOKENS - 1)))
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1 :]  # [V^3, 4, V]: next-token logits
+
+    def joint(temperature: float) -> torch.Tensor:
+        probs = (logits / temperature).softmax(-1).reshape(VOCAB, VOCAB, VOCAB, MAX_TOKENS, VOCAB)
+        p0 = probs[0, 0, 0, 0]  # P(t0 | prompt)
+        p1 = probs[:, 0, 0, 1]  # P(t1 | t0): [t0, t1]
+        p2 = probs[:, :, 0, 2]  # P(t2 | t0, t1)
+        p3 = probs[:, :, :, 3]  # P(t3 | t0, t1, t2)
+        return p0[:, None, None, None] * p1[:, :, None, None] * p2[..., None] * p3
+
+    return joint
+
+
+def sample_joint(llm: LLM, temperature: float) -> torch.Tensor:
+    """Counts [V, V, V, V] of the engine's first four output tokens over NUM_SAMPLES samples."""
+    params = SamplingParams(
+        n=NUM_SAMPLES, temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(out.outputs) == NUM_SAMPLES
+    ids = torch.tensor([c.token_ids for c in out.outputs])
+    assert ids.shape == (NUM_SAMPLES, MAX_TOKENS)
+    flat = sum(ids[:, i] * VOCAB ** (MAX_TOKENS - 1 - i) for i in range(MAX_TOKENS))
+    return torch.bincount(flat, minlength=VOCAB**MAX_TOKENS).reshape([VOCAB] * MAX_TOKENS)
+
+
+def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
+    spec = None
+    common = {"num_speculative_tokens": 3, "disable_batch_size": 10**6, "max_draft_skip": 0}
+    if method == "ngram":
+        spec = {"method": "ngram", **common}
+    elif method.startswith("draft-"):
+        spec = {"method": "draft", "draft_model": drafts[method[6:]], **common}
+    return LLM(
+        target,
+        num_kv_blocks=NUM_SAMPLES + 64,
+        max_num_seqs=NUM_SAMPLES,
+        max_num_batched_tokens=8 * NUM_SAMPLES,
+        speculative_config=spec,
+    )
+
+
+@pytest.mark.parametrize(
+    "method, temperature",
+    [
+        ("off", 1.0),  # control: the test itself accepts plain sampling
+        ("ngram", 1.0),
+        ("draft-other", 1.0),
+        ("draft-noisy", 1.0),
+        ("draft-noisy", 0.7),
+        ("ngram", 0.7),
+    ],
+)
+def test_speculative_sampling_follows_the_target_joint_law(
+    target, drafts, exact_joint, method, temperature
+):
+    llm = make_llm(target, drafts, method)
+    counts = sample_joint(llm, temperature)
+    law = exact_joint(temperature)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    if method != "off":
+        # the premise: many verification rounds, with both acceptances and rejections
+        assert stats.num_draft_tokens > NUM_SAMPLES
+        assert 0.03 < stats.acceptance_rate < 0.97, stats
+    # tokens 1..3 (every one of them drafted and verified at least some of the time), jointly
+    stat, threshold, df = chi_square_test(counts.sum(0), law.sum(0), P_VALUE)
+    assert stat < threshold, f"tokens 1..3: chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"
+    # all four jointly: verification must also condition correctly on token 0
+    stat, threshold, df = chi_square_test(counts, law, P_VALUE)
+    assert stat < threshold, f"tokens 0..3: chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"
