@@ -226,5 +226,8 @@ class LLMEngine:
             if not sample.finished:
                 sample.finish_reason = "abort"
                 self._retire(sample)
+        for index in range(len(request.samples), request.params.n):  # forks never made
+            seq = Sequence(next(self._seq_ids), request.prompt_token_ids)
+            self.outputs.new_sample(request, seq, index).finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         return self.outputs.output(request)

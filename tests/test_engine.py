@@ -385,13 +385,13 @@ def test_abort_waiting_and_half_prefilled_requests(tiny_llama):
     )
     engine.add_request("long", PROMPTS[1], SamplingParams(max_tokens=8))
     engine.add_request("first", PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=8))
-    engine.add_request("waiting", PROMPTS[2], SamplingParams(max_tokens=8))
+    engine.add_request("waiting", PROMPTS[2], SamplingParams(n=2, max_tokens=8))
     engine.step()  # a prefill chunk of "long"
     stats = engine.get_stats()
     assert stats.num_waiting >= 1 and stats.num_free_blocks < stats.num_total_blocks
     assert engine.abort_request("waiting") and engine.abort_request("long")
     seen = _drain(engine)
-    _assert_aborted(seen["waiting"][-1], 1, [[]])
+    _assert_aborted(seen["waiting"][-1], 2, [[], []])  # all n samples, never started
     _assert_aborted(seen["long"][-1], 1, [[]])
     assert len(seen["waiting"]) == len(seen["long"]) == 1
     assert [c.finish_reason for c in seen["first"][-1].outputs] == ["length", "length"]
