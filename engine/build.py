@@ -71,7 +71,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     scheduler_config = SchedulerConfig(
         config.max_num_seqs, config.max_num_batched_tokens, max_model_len
     )
-    manager = SpeculationManager(spec, runner(draft) if draft else None, max_model_len)
+    manager = SpeculationManager(
+        spec, runner(draft) if draft else None, max_model_len, config.seed + 1
+    )
     return EngineParts(
         tokenizer=target.tokenizer,
         model_config=target.config,

@@ -100,7 +100,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return outputs
         busy = len(self.scheduler.running) + len(self.scheduler.waiting)
-        sched = self.scheduler.schedule(self.spec.lookahead(busy, self._max_tokens))
+        sched = self.scheduler.schedule(self.spec.lookahead(busy, self._params))
         for seq in sched.preempted:
             self.spec.release(seq.seq_id)  # its draft KV went with its blocks
         if sched.is_empty:
@@ -116,7 +116,7 @@ class LLMEngine:
         """Draft, forward, sample and verify; changes no sequence, request or proposer state."""
         self.runner.copy_blocks(sched.blocks_to_copy)
         self.spec.copy_blocks(sched.blocks_to_copy)
-        proposal = self.spec.propose(sched.scheduled)
+        proposal = self.spec.propose(sched.scheduled, self._params)
         spans = [
             Span(
                 s.seq.token_ids[s.start : s.start + s.num_new_tokens] + drafts,
@@ -128,17 +128,17 @@ class LLMEngine:
         ]
         logits = self.runner.forward(spans)
         jobs, owners, row = [], [], 0
-        for i, (s, span, drafts) in enumerate(
-            zip(sched.scheduled, spans, proposal.drafts, strict=True)
-        ):
+        for i, (s, span) in enumerate(zip(sched.scheduled, spans, strict=True)):
             if not s.samples:
                 continue
             request, sample = self._owner[s.seq.seq_id]
             rows = logits[row : row + span.num_logits]
             row += span.num_logits
-            indices = [sample.index] if s.seq.num_output_tokens else range(request.params.n)
-            for index in indices:  # a finished prompt feeds all n samples at once
-                jobs.append(SampleJob(request.params, index, s.seq.num_output_tokens, rows, drafts))
+            outputs = s.seq.num_output_tokens
+            drafts, q = proposal.drafts[i], proposal.draft_probs[i]
+            for index in [sample.index] if outputs else range(request.params.n):
+                # (a finished prompt feeds all n samples at once)
+                jobs.append(SampleJob(request.params, index, outputs, rows, drafts, q))
                 owners.append(i)
         results: list[list[SampleResult]] = [[] for _ in sched.scheduled]
         for i, result in zip(owners, self.step_sampler(jobs), strict=True):
@@ -210,8 +210,8 @@ class LLMEngine:
     def _add_sample(self, request: Request, seq: Sequence, index: int) -> None:
         self._owner[seq.seq_id] = (request, self.outputs.new_sample(request, seq, index))
 
-    def _max_tokens(self, seq: Sequence) -> int | None:
-        return self._owner[seq.seq_id][0].params.max_tokens
+    def _params(self, seq: Sequence) -> SamplingParams:
+        return self._owner[seq.seq_id][0].params
 
     def _retire(self, sample: SampleState) -> None:
         self.scheduler.finish(sample.seq)

@@ -2,9 +2,14 @@
 
 Every sampling span verifies its drafts (zero or more): row j of a span is the target's
 distribution at draft position j, the last row the bonus position. A plain decode is the case
-with no drafts. Seeded samples draw output position i from a generator seeded by (seed, sample
-index, i) alone, so their tokens do not depend on the batch, on preemption, or on whether
-speculation drafted them.
+with no drafts.
+
+Deterministic drafts (n-gram, greedy) are verified by drawing one target sample per row and
+accepting a draft iff it equals the sample: a seeded sample draws output position i from a
+generator seeded by (seed, sample index, i) alone, so its tokens do not depend on the batch, on
+preemption, or on whether speculation drafted them. Sampled drafts (with their q) go through
+``rejection_sample``: the output law is still exactly the target's, but a seeded request's
+tokens then depend on what was drafted.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, token_logprobs
+from engine.sampler import Sampler, SamplingBatch, processed_probs, token_logprobs
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection import rejection_sample
 
 Verify = Callable[[Sequence[int], Sequence[Sequence[int]], Sequence[int]], list[list[int]]]
 
@@ -27,6 +33,7 @@ class SampleJob:
     num_outputs: int  # output tokens before this step
     rows: torch.Tensor  # float32 [1 + len(drafts), V] of the target's logits
     drafts: Sequence[int]
+    draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,25 @@ class StepSampler:
         self.verify = verify
 
     def __call__(self, jobs: list[SampleJob]) -> list[SampleResult]:
-        if not jobs:
-            return []
+        sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
+        plain = sorted(set(range(len(jobs))) - set(sampled))
+        tokens: list[list[int]] = [[] for _ in jobs]
+        for i, emitted in zip(plain, self._sample_and_match([jobs[i] for i in plain]), strict=True):
+            tokens[i] = emitted
+        for i, emitted in zip(sampled, self._rejection([jobs[i] for i in sampled]), strict=True):
+            tokens[i] = emitted
+        return [
+            SampleResult(
+                emitted,
+                None
+                if job.params.logprobs is None
+                else token_logprobs(job.rows, emitted, job.params.logprobs),
+            )
+            for job, emitted in zip(jobs, tokens, strict=True)
+        ]
+
+    def _batch(self, jobs: list[SampleJob]) -> tuple[torch.Tensor, SamplingBatch, list[int]]:
+        """Every row of every job, masked for min_tokens, with its sampling parameters."""
         starts, rows, params, generators = [], [], [], []
         for job in jobs:
             starts.append(len(params))
@@ -59,17 +83,52 @@ class StepSampler:
             generators=generators,
             device=logits.device,
         )
+        return logits, batch, starts
+
+    def _sample_and_match(self, jobs: list[SampleJob]) -> list[list[int]]:
+        """Deterministic drafts: one target sample per row; a draft is accepted iff equal."""
+        if not jobs:
+            return []
+        logits, batch, starts = self._batch(jobs)
         samples = self.sampler(logits, batch).tolist()
-        emitted = self.verify(samples, [job.drafts for job in jobs], starts)
-        return [
-            SampleResult(
-                tokens,
-                None
-                if job.params.logprobs is None
-                else token_logprobs(job.rows, tokens, job.params.logprobs),
-            )
-            for job, tokens in zip(jobs, emitted, strict=True)
-        ]
+        return self.verify(samples, [job.drafts for job in jobs], starts)
+
+    def _rejection(self, jobs: list[SampleJob]) -> list[list[int]]:
+        """Sampled drafts: accept x with min(1, p(x)/q(x)), else resample norm(max(0, p - q)).
+
+        A seeded job is verified on its own: how many uniforms a row draws depends on the
+        batch's largest draft count, and a seeded row must draw the same whatever its batch.
+        """
+        unseeded = [i for i, job in enumerate(jobs) if job.params.seed is None]
+        groups = [[i] for i, job in enumerate(jobs) if job.params.seed is not None]
+        tokens: list[list[int]] = [[] for _ in jobs]
+        for group in groups + ([unseeded] if unseeded else []):
+            for i, emitted in zip(group, self._verify_group([jobs[i] for i in group]), strict=True):
+                tokens[i] = emitted
+        return tokens
+
+    def _verify_group(self, jobs: list[SampleJob]) -> list[list[int]]:
+        logits, batch, starts = self._batch(jobs)
+        p = processed_probs(logits, batch)
+        k = max(len(job.drafts) for job in jobs)
+        target = p.new_zeros(len(jobs), k + 1, p.shape[-1])
+        q = p.new_zeros(len(jobs), k, p.shape[-1])
+        drafts = torch.zeros(len(jobs), k, dtype=torch.long)
+        for s, (job, start) in enumerate(zip(jobs, starts, strict=True)):
+            n = len(job.drafts)
+            target[s, : n + 1] = p[start : start + n + 1]
+            q[s, :n] = job.draft_probs
+            drafts[s, :n] = torch.tensor(job.drafts)
+        seed = jobs[0].params.seed
+        generator = self.sampler.generator if seed is None else _round_generator(jobs[0])
+        out = rejection_sample(
+            target,
+            drafts.to(p.device),
+            q,
+            torch.tensor([len(job.drafts) for job in jobs], device=p.device),
+            generator,
+        )
+        return [[t for t in row if t >= 0] for row in out.tolist()]
 
     def _mask_min_tokens(self, job: SampleJob) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (row j of a
@@ -81,6 +140,13 @@ class StepSampler:
         rows = job.rows.clone()
         rows[:short, banned] = float("-inf")
         return rows
+
+
+def _round_generator(job: SampleJob) -> torch.Generator:
+    """A seeded sample's randomness for one verification round."""
+    return torch.Generator(device=job.rows.device).manual_seed(
+        hash((job.params.seed, job.index, job.num_outputs, 1)) & 0x7FFF_FFFF_FFFF_FFFF
+    )
 
 
 def _position_generators(job: SampleJob) -> list[torch.Generator | None]:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import build_random_llama, build_tiny_llama
+from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
@@ -99,8 +100,8 @@ class _FixedDrafts(NgramProposer):
         super().__init__(1, 1)
         self.token = token
 
-    def propose(self, scheduled, ks):
-        return Proposal([[self.token] * k for k in ks], {})
+    def propose(self, scheduled, ks, params):
+        return Proposal([[self.token] * k for k in ks], [None] * len(ks), {})
 
 
 def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, plain):
@@ -175,16 +176,28 @@ def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
         LLM(tiny_llama, num_kv_blocks=16, speculative_config=spec)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_seeded_sampling_with_speculation_equals_seeded_plain_sampling(sharp, method):
+def test_seeded_sampling_with_ngram_speculation_equals_seeded_plain_sampling(sharp):
     """Deterministic drafts verified against per-position seeded samples emit exactly the
     tokens plain seeded sampling emits (top-p and temperature included)."""
-    target, draft = sharp
+    target, _ = sharp
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
     plain = generate(LLM(target, num_kv_blocks=64), params=params)
-    spec = NGRAM if method == "ngram" else draft_spec(draft)
-    llm = LLM(target, num_kv_blocks=64, speculative_config=spec)
+    llm = LLM(target, num_kv_blocks=64, speculative_config=NGRAM)
     assert generate(llm, params=params) == plain
+    assert_some_accepted_some_rejected(llm)
+
+
+def test_seeded_sampled_drafts_do_not_depend_on_the_batch(sharp):
+    """A draft model samples its drafts at temperature > 0 (verified by min(1, p/q)): a seeded
+    request's tokens then depend on what was drafted, but not on what shares its batch."""
+    target, draft = sharp
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
+    spec = {**draft_spec(draft), "disable_batch_size": 64}
+    alone = generate(LLM(target, num_kv_blocks=64, speculative_config=spec), PROMPTS[:1], params)
+    llm = LLM(target, num_kv_blocks=64, speculative_config=spec)
+    busy = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 4
+    outs = llm.generate(PROMPTS, [params, *busy], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone[0]
     assert_some_accepted_some_rejected(llm)
 
 
@@ -212,25 +225,36 @@ def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
         assert out[0].outputs[0].token_ids == ref[:max_tokens]
 
 
-def test_n_and_logprobs_work_with_speculation(sharp):
-    """n seeded samples at temperature 1 under speculation: each is the plain run's sample,
-    with the plain run's logprobs (every entry), and the samples differ from one another."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_n_and_logprobs_work_with_speculation(sharp, method):
+    """n seeded samples at temperature 1 under speculation: distinct samples whose logprobs
+    (every entry) are HF's log_softmax at each position; with deterministic (n-gram) drafts
+    each sample is also exactly the plain run's sample."""
     params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=12, logprobs=2,
                             ignore_eos=True)  # fmt: skip
     target, draft = sharp
-    plain = LLM(target, num_kv_blocks=128).generate(PROMPTS[2], params, use_tqdm=False)[0]
-    llm = LLM(target, num_kv_blocks=128, speculative_config=draft_spec(draft))
+    spec = draft_spec(draft) if method == "draft" else NGRAM
+    llm = LLM(target, num_kv_blocks=128, speculative_config=spec)
     out = llm.generate(PROMPTS[2], params, use_tqdm=False)[0]
-    assert_some_accepted_some_rejected(llm)
+    if method == "draft":
+        assert_some_accepted_some_rejected(llm)
+    else:
+        plain = LLM(target, num_kv_blocks=128).generate(PROMPTS[2], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    for c, ref in zip(out.outputs, plain.outputs, strict=True):
-        assert c.token_ids == ref.token_ids
+    hf = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
+    prompt = out.prompt_token_ids
+    for c in out.outputs:
         assert len(c.logprobs) == len(c.token_ids) == 12
-        for entry, ref_entry in zip(c.logprobs, ref.logprobs, strict=True):
-            assert entry.keys() == ref_entry.keys()
+        with torch.no_grad():
+            ids = torch.tensor([prompt + c.token_ids[:-1]])
+            exact = hf(ids).logits[0, len(prompt) - 1 :].log_softmax(-1)
+        for j, (token, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            top = exact[j].topk(2).indices.tolist()
+            assert entry.keys() == {token, *top}
             for t, lp in entry.items():
-                assert lp == pytest.approx(ref_entry[t], abs=1e-5)
+                assert lp == pytest.approx(float(exact[j, t]), abs=1e-4)
 
 
 def test_rollback_touches_no_kv_memory(tiny_llama):
@@ -274,3 +298,14 @@ def test_seeded_sampling_is_the_same_with_or_without_speculation_in_any_batch(ti
     busy = spec.generate(PROMPTS, [noise, noise, seeded, noise, noise], use_tqdm=False)
     assert busy[2].outputs[0].token_ids == generate(spec, [PROMPTS[2]], seeded)[0]
     assert spec.llm_engine.get_stats().num_accepted_tokens > 0
+
+
+def test_sampled_drafts_from_a_draft_equal_to_the_target_are_all_accepted(tiny_llama):
+    """At temperature > 0 a draft model samples from q and verification accepts with
+    min(1, p/q): with q = p every draft passes (greedy drafts would pass only with p(argmax))."""
+    spec = {**draft_spec(tiny_llama, k=4), "disable_batch_size": 64}
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec)
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True, seed=3)
+    generate(llm, params=params)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_draft_tokens > 20 and stats.acceptance_rate > 0.99

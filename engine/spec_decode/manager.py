@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 
 from engine.config import SpeculativeConfig
 from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -29,12 +30,13 @@ class SpeculationManager:
         config: SpeculativeConfig | None,
         draft_runner: ModelRunner | None,
         max_model_len: int,
+        seed: int = 0,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer: Proposer | None = None
         if draft_runner is not None:
-            self.proposer = DraftModelProposer(draft_runner)
+            self.proposer = DraftModelProposer(draft_runner, seed)
         elif config is not None:
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         self.backoff = DraftBackoff(config.max_draft_skip if config else 0)
@@ -45,7 +47,7 @@ class SpeculationManager:
         self.accepted_by_position = [0] * self.num_lookahead_slots
 
     def lookahead(
-        self, num_busy: int, max_tokens: Callable[[Sequence], int | None]
+        self, num_busy: int, params_of: Callable[[Sequence], SamplingParams]
     ) -> Callable[[Sequence], int]:
         """This step's k per sequence (a function for ``Scheduler.schedule``).
 
@@ -62,19 +64,24 @@ class SpeculationManager:
             outputs = seq.num_output_tokens
             if not outputs or not self.backoff.should_draft(seq.seq_id, outputs):
                 return 0
-            left = (max_tokens(seq) or self.max_model_len) - outputs
+            left = (params_of(seq).max_tokens or self.max_model_len) - outputs
             return max(0, min(config.num_speculative_tokens, left - 1,
                               self.max_model_len - len(seq) - 1))  # fmt: skip
 
         return k
 
-    def propose(self, scheduled: list[ScheduledSequence]) -> Proposal:
+    def propose(
+        self,
+        scheduled: list[ScheduledSequence],
+        params_of: Callable[[Sequence], SamplingParams],
+    ) -> Proposal:
         """Drafts for the sequences that reserved lookahead slots (a draft model also runs every
         span, see ``DraftModelProposer``)."""
         ks = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
         if self.proposer is None or not (any(ks) or self.proposer.runs_every_span):
-            return Proposal([[] for _ in scheduled], {})
-        return self.proposer.propose(scheduled, ks)
+            return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
+        params = [params_of(s.seq) if k else None for s, k in zip(scheduled, ks, strict=True)]
+        return self.proposer.propose(scheduled, ks, params)
 
     @staticmethod
     def verify(samples: Seq[int], drafts: Seq[Seq[int]], starts: Seq[int]) -> list[list[int]]:

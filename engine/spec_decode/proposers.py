@@ -1,7 +1,9 @@
 """Draft proposers: n-gram prompt lookup and a small draft model.
 
-Both are deterministic (greedy), so verification treats q as one-hot: accepted with p(x),
-recovered from p without x. That keeps them exactly lossless at any temperature.
+N-gram drafts are deterministic (q one-hot): accepted with p(x), recovered from p without x.
+A draft model drafts greedily for greedy requests and otherwise samples each draft from q, its
+own distribution after the request's temperature, top-k, top-p and min-p; the verifier then
+accepts with min(1, p/q). Both keep the output law exactly the target's.
 
 A proposer's state moves only in ``commit``, called when the engine commits a step: a step that
 fails before committing leaves it as it was.
@@ -12,7 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from engine.model_runner import ModelRunner, Span
+from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram import propose_ngram
 from scheduler import ScheduledSequence
 
@@ -20,6 +26,9 @@ from scheduler import ScheduledSequence
 @dataclass(frozen=True)
 class Proposal:
     drafts: list[list[int]]  # per scheduled sequence, at most its k tokens
+    # per scheduled sequence: q, float32 [len(drafts), V], for sampled drafts; None where the
+    # drafts are deterministic. Lives only inside the step that drafted it.
+    draft_probs: list[torch.Tensor | None]
     # per seq_id: (KV written for token_ids[:base], then for these drafts at base, base + 1, ...)
     written: dict[int, tuple[int, list[int]]]
 
@@ -27,8 +36,14 @@ class Proposal:
 class Proposer(Protocol):
     runs_every_span: bool  # True: propose() must see every step, drafting or not
 
-    def propose(self, scheduled: list[ScheduledSequence], ks: list[int]) -> Proposal:
-        """Up to ``ks[i]`` draft tokens to follow ``scheduled[i].seq.token_ids``."""
+    def propose(
+        self,
+        scheduled: list[ScheduledSequence],
+        ks: list[int],
+        params: list[SamplingParams | None],
+    ) -> Proposal:
+        """Up to ``ks[i]`` draft tokens to follow ``scheduled[i].seq.token_ids``; ``params[i]``
+        is the request's sampling (None where ``ks[i]`` is 0)."""
         ...
 
     def commit(
@@ -55,12 +70,17 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, scheduled: list[ScheduledSequence], ks: list[int]) -> Proposal:
+    def propose(
+        self,
+        scheduled: list[ScheduledSequence],
+        ks: list[int],
+        params: list[SamplingParams | None],
+    ) -> Proposal:
         drafts = [
             propose_ngram(s.seq.token_ids, k, self.min_n, self.max_n) if k else []
             for s, k in zip(scheduled, ks, strict=True)
         ]
-        return Proposal(drafts, {})
+        return Proposal(drafts, [None] * len(drafts), {})
 
     def commit(
         self, seq_id: int, written: tuple[int, list[int]] | None, new_token_ids: list[int]
@@ -78,7 +98,7 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """Greedy drafts from a second model whose KV lives in its own tensors, addressed by the
+    """Drafts from a second model whose KV lives in its own tensors, addressed by the
     target's block tables (same block ids, same slots).
 
     Invariant: the draft's KV is valid for ``token_ids[:valid]`` of every sequence, where
@@ -91,11 +111,17 @@ class DraftModelProposer:
 
     runs_every_span = True
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, seed: int):
         self.runner = runner
+        self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._valid: dict[int, int] = {}  # seq_id → tokens whose draft KV is valid
 
-    def propose(self, scheduled: list[ScheduledSequence], ks: list[int]) -> Proposal:
+    def propose(
+        self,
+        scheduled: list[ScheduledSequence],
+        ks: list[int],
+        params: list[SamplingParams | None],
+    ) -> Proposal:
         spans, written = [], {}
         for s, k in zip(scheduled, ks, strict=True):
             seq = s.seq
@@ -105,14 +131,18 @@ class DraftModelProposer:
             spans.append(Span(seq.token_ids[start:end], start, 1 if k else 0, s.block_table))
             written[seq.seq_id] = (end, [])
         drafts: list[list[int]] = [[] for _ in scheduled]
+        probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
         active = [i for i, k in enumerate(ks) if k]
         step = 0
         while True:
             logits = self.runner.forward(spans)
             if not active:
                 break
-            for i, t in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
-                drafts[i].append(t)
+            rows = [(params[i], len(scheduled[i].seq) + step) for i in active]
+            tokens, q = self._draw(logits, rows)
+            for j, i in enumerate(active):
+                drafts[i].append(tokens[j])
+                probs[i].append(q[j])
             active = [i for i in active if len(drafts[i]) < ks[i]]
             if not active:
                 break
@@ -122,7 +152,35 @@ class DraftModelProposer:
                 written[s.seq.seq_id][1].append(drafts[i][-1])
                 spans.append(Span([drafts[i][-1]], len(s.seq) + step, 1, s.block_table))
             step += 1
-        return Proposal(drafts, written)
+        sampled = [
+            torch.stack(q) if p is not None and not p.greedy else None
+            for p, q in zip(params, probs, strict=True)
+        ]
+        return Proposal(drafts, sampled, written)
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int]]
+    ) -> tuple[list[int], torch.Tensor]:
+        """One draft per row: argmax for greedy requests, else a sample of q (the draft's
+        distribution processed like the target's). A seeded request draws position i from a
+        generator of its own, seeded by (seed, i), so its drafts do not depend on the batch."""
+        batch = SamplingBatch.from_params(
+            temperature=[p.temperature for p, _ in rows],
+            top_k=[p.top_k for p, _ in rows],
+            top_p=[p.top_p for p, _ in rows],
+            min_p=[p.min_p for p, _ in rows],
+            device=logits.device,
+        )
+        q = processed_probs(logits, batch)
+        generators = [
+            None
+            if p.seed is None
+            else torch.Generator(device=logits.device).manual_seed(
+                hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
+            )
+            for p, position in rows
+        ]
+        return sample_from_probs(q, generators, self.generator).tolist(), q
 
     def commit(
         self, seq_id: int, written: tuple[int, list[int]] | None, new_token_ids: list[int]
