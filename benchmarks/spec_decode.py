@@ -19,27 +19,17 @@
 """
 
 import argparse
+import itertools
 import time
 from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig
 
-from benchmarks import output, report
+from benchmarks import output, report, workload
 from benchmarks.peers import load_hf_model
 from benchmarks.timing import run_engine
-from benchmarks.workload import (
-    WORKLOADS,
-    BenchRequest,
-    ModelSpec,
-    chat_prompts,
-    kv_blocks_needed,
-    make_engine,
-    parse_int_list,
-    release_memory,
-    resolve_device,
-    resolve_model,
-)
+from benchmarks.workload import BenchRequest, ModelSpec, chat_prompts, kv_blocks_needed
 from engine import LLMEngine, SpeculativeConfig
 
 DEFAULT_DISABLE_BATCH_SIZE = next(
@@ -48,22 +38,13 @@ DEFAULT_DISABLE_BATCH_SIZE = next(
 SPEC_STATS = ("draft_tokens", "accepted_tokens", "verifications")
 
 
-def ngram_engine(
-    spec: ModelSpec, args, max_num_seqs: int, blocks: int, k: int | None, disable: int | None
-) -> LLMEngine:
+def ngram_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, k, disable=None):
     """No speculation when ``k`` is None, else ngram with ``k`` drafts (and ``disable_batch_size``
     when given). Prefix caching is off: prompts repeat across runs and would skip their prefill."""
-    speculative = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
-    if speculative and disable is not None:
-        speculative["disable_batch_size"] = disable
-    return make_engine(
-        spec,
-        args,
-        max_num_seqs,
-        blocks,
-        enable_prefix_caching=False,
-        speculative_config=speculative,
-    )
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    ngram |= {"disable_batch_size": disable} if disable else {}
+    options = {"enable_prefix_caching": False, "speculative_config": ngram if k else None}
+    return workload.make_engine(spec, args, max_num_seqs, blocks, **options)
 
 
 @torch.inference_mode()
@@ -93,136 +74,123 @@ def batch_one(
     """Batch 1, one prompt at a time: pagedspec (``engine``, None to skip) and HF (``model``,
     None to skip) take turns on each prompt, so a disturbance on a shared machine falls on both
     alike. Each is warmed up on the first prompt first."""
-    names = [n for n, system in (("pagedspec", engine), ("hf", model)) if system is not None]
-    totals = {n: dict.fromkeys(("seconds", *SPEC_STATS), 0) | {"outputs": []} for n in names}
+    done = {
+        name: [] for name, system in (("pagedspec", engine), ("hf", model)) if system is not None
+    }
     for i, r in enumerate([requests[0], *requests]):
-        for name, total in totals.items():
-            if name == "pagedspec":
+        for name, runs in done.items():
+            if name == "hf":
+                seconds, tokens, stats = *hf_generate(model, r, k), {}
+            else:
                 run = run_engine(engine, [r], ignore_eos=False)
                 seconds, tokens, stats = run.timings[0].last_token_s, run.token_ids[0], run.stats
-            else:
-                (seconds, tokens), stats = hf_generate(model, r, k), {}
             if i:  # the first pass is the warm-up
-                total["seconds"] += seconds
-                total["outputs"].append(tokens)
-                for key in SPEC_STATS:
-                    total[key] += stats.get(key, 0)
+                runs.append((seconds, tokens, stats))
     results = {}
-    for name, t in totals.items():
-        tokens = sum(len(o) for o in t["outputs"])
-        r = {"seconds": t["seconds"], "tokens": tokens, "tokens_per_s": tokens / t["seconds"]}
+    for name, runs in done.items():
+        seconds, tokens = sum(r[0] for r in runs), sum(len(r[1]) for r in runs)
+        result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         if name == "pagedspec" and k is not None:
-            drafts, accepted, rounds = (t[key] for key in SPEC_STATS)
-            r["acceptance_rate"] = accepted / drafts if drafts else None
-            r["mean_accepted_length"] = (accepted + rounds) / rounds if rounds else None
-        results[name] = r | {"outputs": t["outputs"]}
+            drafts, accepted, rounds = (sum(r[2][key] for r in runs) for key in SPEC_STATS)
+            result["acceptance_rate"] = accepted / drafts if drafts else None
+            result["mean_accepted_length"] = (accepted + rounds) / rounds if rounds else None
+        results[name] = result | {"outputs": [r[1] for r in runs]}
     return results
 
 
 def batch_sweep(args, spec: ModelSpec, prompts: list[list[int]], batch_sizes: list[int]) -> dict:
     """Output tokens/s per batch size for no speculation, forced speculation (k = --sweep-k at
     every batch size) and, at the largest batch, the engine default."""
-    largest = max(batch_sizes)
-    workload = {
+    largest, k = max(batch_sizes), args.sweep_k
+    requests = {
         b: [BenchRequest(prompts[i % len(prompts)], args.sweep_max_tokens) for i in range(b)]
         for b in batch_sizes
     }
-    blocks = kv_blocks_needed(workload[largest], largest, args.sweep_k)
-    configs = {
-        "off": (None, None, batch_sizes),
-        "forced": (args.sweep_k, 1 << 30, batch_sizes),
-        "default": (args.sweep_k, None, [largest]),
-    }
+    blocks = kv_blocks_needed(requests[largest], largest, k)
+    sizes = {"off": batch_sizes, "forced": batch_sizes, "default": [largest]}
     engines = {
-        name: ngram_engine(spec, args, largest, blocks, k, disable)
-        for name, (k, disable, _) in configs.items()
+        "off": ngram_engine(spec, args, largest, blocks, None),
+        "forced": ngram_engine(spec, args, largest, blocks, k, disable=1 << 30),
+        "default": ngram_engine(spec, args, largest, blocks, k),
     }
     # Warm-up at the largest batch: it touches every KV page and every allocation size that batch
     # brings. "default" runs only there; warmed at batch 1 like the others
     # it started cold and measured ~7% below "off" (0.93x, twice), against 1.00-1.03x warm.
     for engine in engines.values():
-        run_engine(engine, workload[largest])
+        run_engine(engine, requests[largest])
     # The configs take turns at each batch size, --sweep-repeats rounds; each keeps its fastest
     # run (the least disturbed), so a slow spell of a shared machine does not pick the winner.
-    rows: dict[str, dict[int, dict]] = {name: {} for name in configs}
+    rows: dict[str, dict[str, dict]] = {name: {} for name in engines}
     for b in batch_sizes:
-        for _ in range(args.sweep_repeats):
-            for name, (_, _, sizes) in configs.items():
-                if b not in sizes:
-                    continue
-                run = run_engine(engines[name], workload[b], ignore_eos=False)
-                elapsed = max(t.last_token_s for t in run.timings)
-                tokens = sum(len(t) for t in run.token_ids)
-                if b not in rows[name] or tokens / elapsed > rows[name][b]["tokens_per_s"]:
-                    rows[name][b] = {
-                        "tokens_per_s": tokens / elapsed,
-                        "tokens": tokens,
-                        "seconds": elapsed,
-                        "acceptance_rate": run.stats["acceptance_rate"],
-                    }
-                print(f"  sweep {name:>7} batch {b:3d}: {tokens / elapsed:8.1f} tok/s", flush=True)
+        for _, (name, engine) in itertools.product(range(args.sweep_repeats), engines.items()):
+            if b not in sizes[name]:
+                continue
+            run = run_engine(engine, requests[b], ignore_eos=False)
+            seconds = max(t.last_token_s for t in run.timings)
+            tokens = sum(len(t) for t in run.token_ids)
+            row = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+            if row["tokens_per_s"] > rows[name].get(str(b), {}).get("tokens_per_s", 0):
+                rows[name][str(b)] = row | {"acceptance_rate": run.stats["acceptance_rate"]}
+            print(f"  sweep {name:>7} batch {b:3d}: {tokens / seconds:8.1f} tok/s", flush=True)
     del engines
-    release_memory(resolve_device(args.device, args.dtype)[0])
-    speedup = {
-        b: rows["forced"][b]["tokens_per_s"] / rows["off"][b]["tokens_per_s"] for b in rows["off"]
-    }
-    slower = [b for b in batch_sizes if speedup[b] < 1.0]
+    workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
+    tps = {name: {b: row["tokens_per_s"] for b, row in r.items()} for name, r in rows.items()}
+    speedup = {b: tps["forced"][b] / tps["off"][b] for b in tps["off"]}
+    slower = [int(b) for b, x in speedup.items() if x < 1.0]
     return {
-        "k": args.sweep_k,
+        "k": k,
         "max_tokens": args.sweep_max_tokens,
         "repeats": args.sweep_repeats,
         "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE,
-        "rows": {name: {str(b): v for b, v in r.items()} for name, r in rows.items()},
-        "forced_speedup": {str(b): v for b, v in speedup.items()},
+        "rows": rows,
+        "forced_speedup": speedup,
         # The first measured batch size where forced speculation loses (None: it never did).
         "crossover_batch_size": slower[0] if slower else None,
         "largest_batch_size": largest,
-        "default_vs_off_at_largest": rows["default"][largest]["tokens_per_s"]
-        / rows["off"][largest]["tokens_per_s"],
+        "default_vs_off_at_largest": tps["default"][str(largest)] / tps["off"][str(largest)],
     }
 
 
 def run(args: argparse.Namespace) -> dict:
     """Both parts; the JSON and the plot go to --output-dir."""
-    device, dtype = resolve_device(args.device, args.dtype)
-    spec = resolve_model(args.model, "auto", None)
-    k_values = parse_int_list(args.k_values, "k_values")
-    hf_k_values = parse_int_list(args.hf_k_values or args.k_values, "hf_k_values")
+    device, dtype = workload.resolve_device(args.device, args.dtype)
+    spec = workload.resolve_model(args.model, "auto", None)
+    k_values = workload.parse_int_list(args.k_values, "k_values")
+    hf_k_values = workload.parse_int_list(args.hf_k_values or args.k_values, "hf_k_values")
     machine = output.machine_info(device, "benchmarks.spec_decode")
-    prompts = {
-        w: chat_prompts(spec.tokenizer, w, args.num_prompts) for w in args.workloads.split(",")
+    requests = {
+        w: [
+            BenchRequest(p, args.max_tokens)
+            for p in chat_prompts(spec.tokenizer, w, args.num_prompts)
+        ]
+        for w in args.workloads.split(",")
     }
-    requests = {w: [BenchRequest(p, args.max_tokens) for p in ps] for w, ps in prompts.items()}
     blocks = kv_blocks_needed([r for rs in requests.values() for r in rs], 1, max(k_values))
-
     model = (
         None if args.no_hf else load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     )
-    results = {w: {s: {} for s in ["pagedspec"] + ([] if args.no_hf else ["hf"])} for w in requests}
+    results = {w: {"pagedspec": {}} | ({} if args.no_hf else {"hf": {}}) for w in requests}
     for k in [None, *sorted(set(k_values) | set(hf_k_values))]:
-        engine = (
-            ngram_engine(spec, args, 1, blocks, k, None) if k is None or k in k_values else None
-        )
+        engine = ngram_engine(spec, args, 1, blocks, k) if k is None or k in k_values else None
         hf = model if k is None or k in hf_k_values else None
         for w, rs in requests.items():
             for system, result in batch_one(engine, hf, rs, k).items():
                 results[w][system]["none" if k is None else str(k)] = result
                 print(f"{w} {system} k={k}: {result['tokens_per_s']:.1f} tok/s", flush=True)
         del engine
-        release_memory(device)
+        workload.release_memory(device)
     del model
-    release_memory(device)
+    workload.release_memory(device)
     for systems in results.values():
         reference = systems["pagedspec"]["none"]["outputs"]
-        for runs in systems.values():
-            for r in runs.values():
-                same = sum(a == b for a, b in zip(r.pop("outputs"), reference, strict=True))
-                r["same_tokens_as_reference"] = same / len(reference)
-
-    sizes = parse_int_list(args.batch_sizes, "batch_sizes") if args.batch_sizes else []
-    sweep = {}
-    for w in args.sweep_workloads.split(",") if sizes else []:
-        sweep[w] = batch_sweep(args, spec, chat_prompts(spec.tokenizer, w, args.num_prompts), sizes)
+        for r in (r for runs in systems.values() for r in runs.values()):
+            same = sum(a == b for a, b in zip(r.pop("outputs"), reference, strict=True))
+            r["same_tokens_as_reference"] = same / len(reference)
+    sizes = workload.parse_int_list(args.batch_sizes, "batch_sizes") if args.batch_sizes else []
+    sweep = {
+        w: batch_sweep(args, spec, chat_prompts(spec.tokenizer, w, args.num_prompts), sizes)
+        for w in (args.sweep_workloads.split(",") if sizes else [])
+    }
     payload = {
         "benchmark": "spec_decode",
         "machine": machine,
@@ -238,14 +206,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def plot(payload: dict, path) -> None:
     lines = []
-    for workload, systems in payload["workloads"].items():
+    for workload_name, systems in payload["workloads"].items():
         for system, runs in systems.items():
             ks = sorted(int(k) for k in runs if k != "none")
             speedups = [runs[str(k)]["tokens_per_s"] / runs["none"]["tokens_per_s"] for k in ks]
-            method = "pagedspec ngram" if system == "pagedspec" else "HF prompt lookup"
-            lines.append(
-                (ks, speedups, f"{workload}: {method}", "-" if system == "pagedspec" else "--")
-            )
+            ours = system == "pagedspec"
+            label = f"{workload_name}: {'pagedspec ngram' if ours else 'HF prompt lookup'}"
+            lines.append((ks, speedups, label, "-" if ours else "--"))
     ylabel = "speedup over the same system without speculation"
     title = f"{payload['model']}, batch 1, greedy"
     output.plot(path, lines, "speculative tokens k", ylabel, title, log=False)
@@ -257,14 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="HF directory (default: SmolLM2)")
     add("--dtype", default="auto")
     add("--device", default="auto")
-    add("--workloads", default=",".join(WORKLOADS))
+    add("--workloads", default=",".join(workload.WORKLOADS))
     add("--num-prompts", type=int, default=8, help="per workload")
     add("--max-tokens", type=int, default=96)
     add("--k-values", default="2,4,6,8")
     add("--hf-k-values", default=None, help="default: --k-values")
     add("--no-hf", action="store_true")
     add("--batch-sizes", default="1,4,16,32,64", help="batch sweep; '' skips it")
-    add("--sweep-workloads", default=",".join(WORKLOADS))
+    add("--sweep-workloads", default=",".join(workload.WORKLOADS))
     add("--sweep-k", type=int, default=4)
     add("--sweep-max-tokens", type=int, default=32)
     add("--sweep-repeats", type=int, default=2, help="rounds per batch size; the fastest counts")

@@ -26,20 +26,9 @@ the batch latency). Prefix caching is off so every iteration pays for its prefil
 import argparse
 from dataclasses import asdict
 
-from benchmarks import output, peers, report, roofline
+from benchmarks import output, peers, report, roofline, workload
 from benchmarks.timing import quantiles, run_engine, summarize, ttft_tpot
-from benchmarks.workload import (
-    ModelSpec,
-    chat_prompts,
-    kv_blocks_needed,
-    make_engine,
-    make_workload,
-    parse_int_list,
-    parse_range,
-    release_memory,
-    resolve_device,
-    resolve_model,
-)
+from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
 
 DUMMY_NOTE = (
     "dummy weights: pagedspec and the HF peers each use random weights for the same config; "
@@ -58,83 +47,60 @@ def fastest(runs: list[dict]) -> dict:
     return best | {"output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in ok]}
 
 
-def build_engine(args, spec: ModelSpec, batch_size: int, num_kv_blocks: int):
-    speculative = None
-    if args.speculative_method is not None:
-        speculative = {
-            "method": args.speculative_method,
-            "num_speculative_tokens": args.num_speculative_tokens,
-            "draft_model": args.draft_model,
-        }
-    return make_engine(
-        spec, args, batch_size, num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend,
-        speculative_config=speculative,
-    )  # fmt: skip
+def peer_names(args) -> list[str]:
+    names = [] if args.no_peers else [p for p in args.peers.split(",") if p]
+    if set(names) - set(peers.PEERS):
+        raise ValueError(f"peers must be among {peers.PEERS}, got {names}")
+    return names
 
 
 def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
-    """The sweep over batch sizes; returns the JSON payload."""
-    device, dtype = resolve_device(args.device, args.dtype)
-    input_len = parse_range(args.input_len, "input_len")
-    output_len = parse_range(args.output_len, "output_len")
+    """The sweep over batch sizes, pagedspec and the peers taking turns at each."""
+    device, dtype = workload.resolve_device(args.device, args.dtype)
+    input_len = workload.parse_range(args.input_len, "input_len")
+    output_len = workload.parse_range(args.output_len, "output_len")
     if args.waves < 1 or args.repeats < 1:
         raise ValueError(f"waves and repeats must be >= 1, got {args.waves} and {args.repeats}")
-    systems_run = [] if args.no_peers else [p for p in args.peers.split(",") if p]
-    for p in systems_run:
-        if p not in peers.PEERS:
-            raise ValueError(f"peers must be among {peers.PEERS}, got {p!r}")
-    rates = roofline.measure(device, dtype)
-    cost = roofline.model_cost(spec.config, dtype)
-    print(f"{device}: copy {rates.bandwidth_gbs:.1f} GB/s, GEMM {rates.matmul_gflops:.1f} GFLOP/s")
-    if spec.load_format == "dummy":
-        print(DUMMY_NOTE)
-    workload = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
-    k = args.num_speculative_tokens if args.speculative_method else 0
-
-    hf_model, peer_errors = None, {}
-    if systems_run:
-        hf_model = peers.load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
-        check = make_workload(2, (16, 64), (8, 8), spec, args.seed + 1)
-        for p in systems_run:  # once each, before anything is timed
-            try:
-                peers.run_peer(p, hf_model, check, 2, args.max_num_batched_tokens)
-            except Exception as e:  # a peer that cannot run here is reported, not faked
-                peer_errors[p] = f"{type(e).__name__}: {e}"
-                print(f"{p} unavailable: {peer_errors[p]}")
-
+    others = peer_names(args)
+    rates, cost = roofline.measure(device, dtype), roofline.model_cost(spec.config, dtype)
+    load = peers.load_hf_model
+    hf_model = load(spec.hf_path, spec.config, dtype, device, args.seed) if others else None
+    requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
+    speculative = None
+    if args.speculative_method is not None:
+        speculative = {"method": args.speculative_method, "draft_model": args.draft_model}
+        speculative["num_speculative_tokens"] = args.num_speculative_tokens
+    options = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    options |= {"attention_backend": args.attention_backend, "speculative_config": speculative}
     results = []
     for b in batch_sizes:
-        requests = workload[: b * args.waves]
-        input_tokens = sum(len(r.prompt_ids) for r in requests)
+        timed = requests[: b * args.waves]
+        input_tokens = sum(len(r.prompt_ids) for r in timed)
         # Every system first serves B other requests of the same prompt lengths and 2 output
         # tokens: the prefill shapes, allocator pools and (ours) KV pages are then warm, as in
         # a server that has been running.
         warm = make_workload(b, input_len, (2, 2), spec, args.seed + 1)
-        blocks = args.num_kv_blocks or kv_blocks_needed(requests + warm, b, k)
+        k = args.num_speculative_tokens if speculative else 0
+        blocks = args.num_kv_blocks or kv_blocks_needed(timed + warm, b, k)
         # The systems take turns, --repeats rounds, and each keeps its fastest run (the least
         # disturbed by the rest of a shared machine); ours starts from a fresh engine each round
         # so that no round finds the prompts in the prefix cache.
-        runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *systems_run]}
+        runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
-            engine = build_engine(args, spec, b, blocks)
+            engine = make_engine(spec, args, b, blocks, **options)
             run_engine(engine, warm)
-            measured = run_engine(engine, requests)
+            measured = run_engine(engine, timed)
             del engine
-            release_memory(device)
+            workload.release_memory(device)
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
-            for p in systems_run:
-                if p in peer_errors:
-                    runs[p].append({"error": peer_errors[p]})
-                    continue
-                try:
+            for p in others:
+                try:  # a peer that cannot run here is reported, not faked
                     peers.run_peer(p, hf_model, warm, b, args.max_num_batched_tokens)
-                    timings = peers.run_peer(p, hf_model, requests, b, args.max_num_batched_tokens)
+                    timings = peers.run_peer(p, hf_model, timed, b, args.max_num_batched_tokens)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
-                release_memory(device)
+                workload.release_memory(device)
         systems = {name: fastest(system_runs) for name, system_runs in runs.items()}
         ours = systems["pagedspec"]["output_tokens_per_s"]
         ceiling = roofline.decode_ceiling(b, cost, rates)
@@ -143,23 +109,17 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             for p, s in systems.items()
             if p != "pagedspec" and "error" not in s
         }
+        row = {"batch_size": b, "num_requests": len(timed), "ceiling_tokens_per_s": ceiling}
         results.append(
-            {
-                "batch_size": b,
-                "num_requests": len(requests),
-                "ceiling_tokens_per_s": ceiling,
-                "roofline_fraction": ours / ceiling,
-                "systems": systems,
-                "ratios": ratios,
-            }
+            row | {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
         )
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
-
+    dummy = spec.load_format == "dummy"
     return {
         "model": {"name": spec.name, "load_format": spec.load_format} | asdict(cost),
         "weights_note": DUMMY_NOTE
-        if spec.load_format == "dummy"
+        if dummy
         else f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})",
         "roofline": asdict(rates),
         "results": results,
@@ -170,40 +130,38 @@ def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     """No speculation and ngram speculation, each on one engine over every batch size."""
     if args.iters < 1 or args.warmup_iters < 0:
         raise ValueError(
-            f"iters must be >= 1 and warmup_iters >= 0, got {args.iters}, {args.warmup_iters}"
+            f"iters must be >= 1 and warmup_iters >= 0: {args.iters}, {args.warmup_iters}"
         )
-    prompts = chat_prompts(spec.tokenizer, "grounded")
-    output_len = parse_range(args.output_len, "output_len")
+    prompts = workload.chat_prompts(spec.tokenizer, "grounded")
+    output_len = workload.parse_range(args.output_len, "output_len")
     iterations = args.warmup_iters + args.iters
-    # Iteration i of batch size B takes the prompts B * i ... B * (i + 1) - 1, cycled.
-    workload = {
+    k, largest = args.num_speculative_tokens, max(batch_sizes)
+    # Iteration i at batch size B takes the prompts B * i ... B * (i + 1) - 1, cycled.
+    requests = {
         b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
         for b in batch_sizes
     }
-    k, largest, results = args.num_speculative_tokens, max(batch_sizes), []
-    for name, speculative in (
+    results = []
+    for name, ngram in (
         ("no-spec", None),
         (f"ngram-k{k}", {"method": "ngram", "num_speculative_tokens": k}),
     ):
-        blocks = kv_blocks_needed(workload[largest], largest, k if speculative else 0)
-        engine = make_engine(
-            spec, args, largest, blocks, enable_prefix_caching=False, speculative_config=speculative
-        )
-        for b, requests in workload.items():
-            timings, batch_s, drafts, accepted = [], [], 0, 0
-            for i in range(iterations):
-                run = run_engine(engine, requests[i * b : (i + 1) * b])
-                if i >= args.warmup_iters:
-                    timings += run.timings
-                    batch_s.append(max(t.last_token_s for t in run.timings))
-                    drafts += run.stats["draft_tokens"]
-                    accepted += run.stats["accepted_tokens"]
-            ttft, tpot = ttft_tpot(timings)
+        blocks = kv_blocks_needed(requests[largest], largest, k if ngram else 0)
+        options = {"enable_prefix_caching": False, "speculative_config": ngram}
+        engine = make_engine(spec, args, largest, blocks, **options)
+        for b in batch_sizes:
+            runs = [run_engine(engine, requests[b][i * b : (i + 1) * b]) for i in range(iterations)]
+            runs = runs[args.warmup_iters :]
+            ttft, tpot = ttft_tpot([t for run in runs for t in run.timings])
+            drafts, accepted = (
+                sum(run.stats[key] for run in runs) for key in ("draft_tokens", "accepted_tokens")
+            )
+            batch_s = [max(t.last_token_s for t in run.timings) for run in runs]
             results.append(
                 {
                     "config": name,
                     "batch_size": b,
-                    "iterations": args.iters,
+                    "iterations": len(runs),
                     "ttft_s": quantiles(ttft),
                     "tpot_s": quantiles(tpot),
                     "batch_latency_s": quantiles(batch_s),
@@ -212,33 +170,26 @@ def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             )
             print(f"{name} batch {b}: TTFT p50 {results[-1]['ttft_s']['p50']:.3f} s", flush=True)
         del engine
-        release_memory(resolve_device(args.device, args.dtype)[0])
+        workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
     return {"model": spec.name, "results": results}
 
 
 def run(args: argparse.Namespace) -> dict:
     """The benchmark --latency picks; the JSON (and throughput's plot) go to --output-dir."""
-    spec = resolve_model(args.model, args.load_format, args.model_config)
-    device = resolve_device(args.device, args.dtype)[0]
-    batch_sizes = parse_int_list(args.batch_sizes, "batch_sizes")
+    spec = workload.resolve_model(args.model, args.load_format, args.model_config)
+    batch_sizes = workload.parse_int_list(args.batch_sizes, "batch_sizes")
     kind = "latency" if args.latency else "throughput"
+    device = workload.resolve_device(args.device, args.dtype)[0]
+    config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
+    config |= {"batch_sizes": batch_sizes} | ({} if args.latency else {"peers": peer_names(args)})
     payload = {
         "benchmark": kind,
         "machine": output.machine_info(device, "benchmarks.throughput"),
-        "config": {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
-        | {"batch_sizes": batch_sizes},
+        "config": config,
     }
-    tag = args.tag or kind
-    if args.latency:
-        payload |= run_latency(args, spec, batch_sizes)
-        output.save(payload, args.output_dir, tag)
-    else:
-        payload["config"]["peers"] = (
-            [] if args.no_peers else [p for p in args.peers.split(",") if p]
-        )
-        payload |= run_throughput(args, spec, batch_sizes)
-        output.save(payload, args.output_dir, tag, plot)
-    print(report.section(payload, f"{tag}.json"))
+    payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
+    output.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
+    print(report.section(payload, f"{args.tag or kind}.json"))
     return payload
 
 
