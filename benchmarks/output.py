@@ -57,8 +57,8 @@ def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
 
 
 def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, log: bool) -> None:
-    """A line plot: ``lines`` holds (xs, ys, label, format) per line; ``log``: log-log axes with
-    the xs as ticks, else the xs as ticks and a line at y = 1."""
+    """A line plot: ``lines`` holds (xs, ys, label, matplotlib format) per line; the xs are the
+    ticks; ``log``: log-log axes, else a line at y = 1."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,7 +66,7 @@ def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, l
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for xs, ys, label, fmt in lines:
-        ax.plot(xs, ys, fmt, marker="o" if fmt != "k--" else None, label=label)
+        ax.plot(xs, ys, fmt, label=label)
     ticks = sorted({x for xs, *_ in lines for x in xs})
     if log:
         ax.set_xscale("log", base=2)

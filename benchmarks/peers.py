@@ -56,7 +56,8 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def _pad_id(model) -> int:
+def pad_id(model) -> int:
+    """The model's pad token id (0 where it names none)."""
     for value in (model.generation_config.pad_token_id, model.config.pad_token_id):
         if isinstance(value, int):
             return value
@@ -67,7 +68,7 @@ def _pad_id(model) -> int:
 def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
     """Static batches of ``batch_size`` in request order, each run to its longest output."""
     device = model.device
-    pad = _pad_id(model)
+    pad = pad_id(model)
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for lo in range(0, len(requests), batch_size):
@@ -119,7 +120,7 @@ def run_hf_batch(
         max_new_tokens=max(r.output_len for r in requests),
         do_sample=False,
         eos_token_id=-1,  # no EOS: every request makes exactly its output_len tokens
-        pad_token_id=_pad_id(model),
+        pad_token_id=pad_id(model),
     )
     results = {}
     with model.continuous_batching_context_manager(

@@ -19,8 +19,8 @@ SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
 
 
 class _Cells(string.Formatter):
-    """str.format for table rows: a missing or None value renders as an empty cell, the spec "ms"
-    as seconds in milliseconds."""
+    """str.format for table rows: a missing or None value renders as an empty cell; the spec "ms"
+    shows seconds in milliseconds, and a float spec with an "x" after it (".2fx") a ratio."""
 
     def get_value(self, key: int | str, args: tuple, kwargs: dict) -> object:
         return kwargs.get(key) if isinstance(key, str) else args[key]
@@ -28,7 +28,9 @@ class _Cells(string.Formatter):
     def format_field(self, value: object, spec: str) -> str:
         if value is None:
             return ""
-        return f"{value * 1e3:.1f}" if spec == "ms" else format(value, spec)
+        if spec == "ms":
+            return f"{value * 1e3:.1f}"
+        return format(value, spec[:-1]) + "x" if spec.endswith("fx") else format(value, spec)
 
 
 def _row(template: str, *args: object, **kwargs: object) -> str:
@@ -38,6 +40,11 @@ def _row(template: str, *args: object, **kwargs: object) -> str:
 def _table(header: str, rows: list[str]) -> list[str]:
     """A markdown table; ``header`` holds the column names separated by " | "."""
     return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1), *rows]
+
+
+def _section(title: str, notes: list[str], header: str, rows: list[str]) -> list[str]:
+    """A section of the page: its title, notes (a bulleted list) and table."""
+    return [f"## {title}", "", *notes, *([""] if notes else []), *_table(header, rows), ""]
 
 
 def _machine(p: dict) -> list[str]:
@@ -113,18 +120,13 @@ def render_latency(p: dict) -> list[str]:
         _row(f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}", **r)
         for r in p["results"]
     ]
-    return [
-        f"## Latency: {p['model']}",
-        "",
+    notes = [
         *_machine(p),
         f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
         f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
-        "",
-        *_table(
-            "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance", rows
-        ),
-        "",
     ]
+    header = "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance"
+    return _section(f"Latency: {p['model']}", notes, header, rows)
 
 
 def render_spec_decode(p: dict) -> list[str]:
@@ -195,80 +197,52 @@ def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
     template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
     rows = [_row(template, on="on" if r["prefix_caching"] else "off", r=r) for r in p["results"]]
-    return [
-        "## KV block manager bookkeeping",
-        "",
+    notes = [
         "- config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + f"; python {p['python']}",
         f"- raw numbers: [{p['_file']}]({{results}}/{p['_file']})",
         f"- µs per step for {cfg['num_seqs']} sequences, 1 + {cfg['lookahead']} slots each, "
         f"block size {cfg['block_size']} (append, slot ids, truncate, commit)",
-        "",
-        *_table("prefix cache | " + " | ".join(us), rows),
-        "",
     ]
+    header = "prefix cache | " + " | ".join(us)
+    return _section("KV block manager bookkeeping", notes, header, rows)
 
 
 def render_linear(p: dict) -> list[str]:
-    template = (
-        "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2f}x | {linear_gbs:.1f} | "
-        "{linear_gflops:.0f}"
-    )
-    return [
-        "## Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear` "
-        f"({p['model']})",
-        "",
+    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
+    rows = [_row(template + " | {linear_gflops:.0f}", **r) for r in p["results"]]
+    notes = [
         *_machine(p),
         f"- one pass = every projection of every layer plus the LM head "
         f"({p['weight_bytes'] / 1e6:.0f} MB of weights), median of {p['repeats']} alternated "
         f"passes, {p['threads']} threads",
-        "",
-        *_table(
-            "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s",
-            [_row(template, **r) for r in p["results"]],
-        ),
-        "",
     ]
+    title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
+    header = "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s"
+    return _section(f"{title} ({p['model']})", notes, header, rows)
 
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
         return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
-    template = (
-        "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | {ms_per_step_30_layers:.1f} | "
-        "{speedup:.2f}{x}"
-    )
-    rows = [
-        _row(
-            template,
-            **r,
-            speedup=r.get("speedup_vs_torch"),
-            x="x" if "speedup_vs_torch" in r else "",
-        )
-        for r in p["rows"]
-    ]
-    return [
-        "## Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)",
-        "",
+    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
+    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
+    notes = [
         *_machine(p),
         f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
         f"batch {'/'.join(sorted({str(r['batch']) for r in p['rows']}))}, contexts uniform in "
         f"100..1000; {p['threads']} threads",
-        "",
-        *_table("span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch", rows),
-        "",
     ]
+    title = "Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)"
+    header = "span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch"
+    return _section(title, notes, header, [_row(template, **r) for r in p["rows"]])
 
 
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
-    template = "{name} | {seconds:.0f} | {returncode} | `{command}`"
-    return [
-        f"## Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})",
-        "",
-        *_table("benchmark | seconds | exit | command", [_row(template, **r) for r in p["runs"]]),
-        "",
-    ]
+    rows = [_row("{name} | {seconds:.0f} | {returncode} | `{command}`", **r) for r in p["runs"]]
+    title = f"Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})"
+    return _section(title, [], "benchmark | seconds | exit | command", rows)
 
 
 RENDERERS = {

@@ -15,12 +15,13 @@ own RESULTS.md there, leaving benchmarks/RESULTS.md alone.
 
 import argparse
 import datetime
-import json
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import output
 
 # name: "module flags..." (benchmarks.<module>).
 FULL = {
@@ -34,7 +35,7 @@ FULL = {
 }
 QUICK = {
     "throughput": "throughput --batch-sizes 1,4 --input-len 16:64 --output-len 8:16 --repeats 1",
-    "latency": "throughput --latency --batch-sizes 1 --output-len 16 --warmup-iters 1 --iters 2",
+    "latency": "throughput --latency --batch-sizes 1,4 --output-len 16 --warmup-iters 1 --iters 2",
     "spec_decode": "spec_decode --num-prompts 2 --max-tokens 24 --k-values 2,4 "
     "--batch-sizes 1,4 --sweep-max-tokens 16",
     "block_manager": "block_manager --num-seqs 32 --steps 50",
@@ -49,17 +50,9 @@ def commands(quick: bool, model: str | None, output_dir: Path) -> dict[str, list
     out = {}
     for name, line in (QUICK if quick else FULL).items():
         module, *flags = shlex.split(line)
-        cmd = [
-            sys.executable,
-            "-m",
-            f"benchmarks.{module}",
-            *flags,
-            "--output-dir",
-            str(output_dir),
-        ]
-        out[name] = cmd + (
-            ["--model", model] if model is not None and module in TAKES_MODEL else []
-        )
+        flags += ["--output-dir", str(output_dir)]
+        flags += ["--model", model] if model is not None and module in TAKES_MODEL else []
+        out[name] = [sys.executable, "-m", f"benchmarks.{module}", *flags]
     return out
 
 
@@ -92,7 +85,7 @@ def main() -> None:
         "runs": runs,
         "total_s": time.perf_counter() - start,
     }
-    (output_dir / "run_all.json").write_text(json.dumps(summary, indent=2) + "\n")
+    output.save(summary, output_dir, "run_all")
     report = [sys.executable, "-m", "benchmarks.report", "--results-dir", str(output_dir)]
     rc = subprocess.run([*report, "--output", str(results_md)]).returncode
     failed = [r["name"] for r in runs if r["returncode"] != 0] + (["report"] if rc else [])

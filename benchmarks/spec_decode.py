@@ -27,7 +27,7 @@ import torch
 from transformers import GenerationConfig
 
 from benchmarks import output, report, workload
-from benchmarks.peers import load_hf_model
+from benchmarks.peers import load_hf_model, pad_id
 from benchmarks.timing import run_engine
 from benchmarks.workload import BenchRequest, ModelSpec, chat_prompts, kv_blocks_needed
 from engine import LLMEngine, SpeculativeConfig
@@ -50,12 +50,11 @@ def ngram_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, k, disab
 @torch.inference_mode()
 def hf_generate(model, request: BenchRequest, k: int | None) -> tuple[float, list[int]]:
     """Seconds and tokens of HF ``generate``, plain (k None) or with prompt lookup of k tokens."""
-    pad = model.generation_config.pad_token_id
     config = GenerationConfig(
         max_new_tokens=request.output_len,
         do_sample=False,
         eos_token_id=model.generation_config.eos_token_id,
-        pad_token_id=pad if pad is not None else model.config.pad_token_id,
+        pad_token_id=pad_id(model),
         prompt_lookup_num_tokens=k,
     )
     ids = torch.tensor([request.prompt_ids], device=model.device)
@@ -212,7 +211,7 @@ def plot(payload: dict, path) -> None:
             speedups = [runs[str(k)]["tokens_per_s"] / runs["none"]["tokens_per_s"] for k in ks]
             ours = system == "pagedspec"
             label = f"{workload_name}: {'pagedspec ngram' if ours else 'HF prompt lookup'}"
-            lines.append((ks, speedups, label, "-" if ours else "--"))
+            lines.append((ks, speedups, label, "o-" if ours else "o--"))
     ylabel = "speedup over the same system without speculation"
     title = f"{payload['model']}, batch 1, greedy"
     output.plot(path, lines, "speculative tokens k", ylabel, title, log=False)

@@ -199,7 +199,7 @@ def plot(payload: dict, path) -> None:
     for name in dict.fromkeys(n for r in rows for n in r["systems"]):
         ok = [r for r in rows if "error" not in r["systems"].get(name, {"error": 1})]
         ys = [r["systems"][name]["output_tokens_per_s"] for r in ok]
-        lines.append(([r["batch_size"] for r in ok], ys, name, "-"))
+        lines.append(([r["batch_size"] for r in ok], ys, name, "o-"))
     sizes = [r["batch_size"] for r in rows]
     lines.append((sizes, [r["ceiling_tokens_per_s"] for r in rows], "decode ceiling", "k--"))
     title = f"{payload['model']['name']} on {m['gpu'] or m['cpu']} ({payload['model']['dtype']})"
