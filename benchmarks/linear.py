@@ -12,27 +12,18 @@ of --model-config.
     python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]
 """
 
-from __future__ import annotations
-
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import roofline
-from benchmarks.throughput import parse_int_list, resolve_model
+from benchmarks import output, report
+from benchmarks.timing import percentile, time_calls
+from benchmarks.workload import parse_int_list, resolve_model
+
+# The layer under test is engine internals by nature: this benchmark measures it alone.
 from engine.models import get_model_class
 from engine.models.layers import Linear
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
     parser.add_argument("--model-config", default=None, help="a benchmarks/model_configs name")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--output-dir", default="benchmarks/results")
     return parser
 
 
@@ -49,9 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     rows_list = parse_int_list(args.rows, "rows")
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {args.repeats}")
-    load_format = "dummy" if args.model_config else "auto"
-    spec = resolve_model(args.model, load_format, args.model_config)
-
+    spec = resolve_model(args.model, "dummy" if args.model_config else "auto", args.model_config)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = get_model_class(spec.config)(spec.config).eval()
@@ -60,36 +49,26 @@ def run(args: argparse.Namespace) -> dict:
         m.prepack()  # as engine.model_loader.load_model does
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     params = sum(m.weight.numel() for m in layers)
-    threads = torch.get_num_threads()
-    print(
-        f"{spec.name}: {len(layers)} linear layers, {weight_bytes / 1e6:.0f} MB of weights, "
-        f"{threads} threads"
-    )
-
     results = []
-    print(
-        f"{'rows':>5} {'F.linear ms':>12} {'Linear ms':>10} {'speedup':>8} {'GB/s':>6} "
-        f"{'GFLOP/s':>8}"
-    )
-    with torch.inference_mode():
-        for rows in rows_list:
-            inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+    for rows in rows_list:
+        inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
 
-            def plain(inputs=inputs) -> None:
-                for m in layers:
+        def one_pass(plain: bool, inputs=inputs) -> None:
+            for m in layers:
+                if plain:
                     F.linear(inputs[m.in_features], m.weight, m.bias)
-
-            def ours(inputs=inputs) -> None:
-                for m in layers:
+                else:
                     m(inputs[m.in_features])
 
-            plain(), ours()  # warm-up
-            times: dict[str, list[float]] = {"F.linear": [], "Linear": []}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
+            one_pass(True), one_pass(False)  # warm-up
             for _ in range(args.repeats):  # alternate, so both see the same machine state
-                times["F.linear"].append(seconds(plain))
-                times["Linear"].append(seconds(ours))
-            plain_s, ours_s = (statistics.median(times[k]) for k in ("F.linear", "Linear"))
-            row = {
+                for plain in times:
+                    times[plain] += time_calls(lambda plain=plain: one_pass(plain), 1, warmup=0)
+        plain_s, ours_s = percentile(times[True], 50), percentile(times[False], 50)
+        results.append(
+            {
                 "rows": rows,
                 "f_linear_ms": plain_s * 1e3,
                 "linear_ms": ours_s * 1e3,
@@ -97,25 +76,22 @@ def run(args: argparse.Namespace) -> dict:
                 "linear_gbs": weight_bytes / ours_s / 1e9,
                 "linear_gflops": 2 * params * rows / ours_s / 1e9,
             }
-            results.append(row)
-            print(
-                f"{rows:>5} {row['f_linear_ms']:>12.1f} {row['linear_ms']:>10.1f} "
-                f"{row['speedup']:>7.2f}x {row['linear_gbs']:>6.1f} {row['linear_gflops']:>8.0f}"
-            )
-
+        )
+        print(
+            f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms",
+            flush=True,
+        )
     payload = {
         "benchmark": "linear",
-        "machine": roofline.machine_info(torch.device("cpu"), "benchmarks.linear"),
+        "machine": output.machine_info(torch.device("cpu"), "benchmarks.linear"),
         "model": spec.name,
-        "threads": threads,
+        "threads": torch.get_num_threads(),
         "weight_bytes": weight_bytes,
         "repeats": args.repeats,
         "results": results,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    path = args.output_dir / "linear.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    output.save(payload, args.output_dir, "linear")
+    print(report.section(payload, "linear.json"))
     return payload
 
 

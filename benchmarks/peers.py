@@ -13,33 +13,18 @@ Both record when every token came out, so TTFT and TPOT are measured the same wa
 pagedspec: from the moment the whole workload was submitted.
 """
 
-from __future__ import annotations
-
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+from benchmarks.timing import RequestTiming
+from benchmarks.workload import BenchRequest
+
 PEERS = ("hf-static", "hf-batch")
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_ids: list[int]
-    output_len: int
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Seconds after submission at which the first and the last output token came out."""
-
-    first_token_s: float
-    last_token_s: float
-    num_output_tokens: int
 
 
 def load_hf_model(
@@ -48,12 +33,9 @@ def load_hf_model(
     """The HF model for the peers: ``path``'s weights (a HF directory or a .gguf file), or
     (``path`` None) random weights built from ``config`` on ``device`` — with ignore_eos,
     throughput does not depend on their values."""
-    if path is not None and path.endswith(".gguf"):
-        folder, name = os.path.split(path)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-        model = model.to(device)
-    elif path is not None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if path is not None:
+        folder, gguf = os.path.split(path) if path.endswith(".gguf") else (path, None)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
     else:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -74,7 +56,8 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def _pad_id(model) -> int:
+def pad_id(model) -> int:
+    """The model's pad token id (0 where it names none)."""
     for value in (model.generation_config.pad_token_id, model.config.pad_token_id):
         if isinstance(value, int):
             return value
@@ -85,7 +68,7 @@ def _pad_id(model) -> int:
 def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
     """Static batches of ``batch_size`` in request order, each run to its longest output."""
     device = model.device
-    pad = _pad_id(model)
+    pad = pad_id(model)
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for lo in range(0, len(requests), batch_size):
@@ -137,7 +120,7 @@ def run_hf_batch(
         max_new_tokens=max(r.output_len for r in requests),
         do_sample=False,
         eos_token_id=-1,  # no EOS: every request makes exactly its output_len tokens
-        pad_token_id=_pad_id(model),
+        pad_token_id=pad_id(model),
     )
     results = {}
     with model.continuous_batching_context_manager(
@@ -175,6 +158,7 @@ def run_hf_batch(
 def run_peer(
     name: str, model, requests: list[BenchRequest], batch_size: int, max_batch_tokens: int
 ) -> list[RequestTiming]:
+    """``name``'s timings on ``requests``, from the moment they were all submitted."""
     if name == "hf-static":
         return run_hf_static(model, requests, batch_size)
     if name == "hf-batch":

@@ -1,60 +1,88 @@
 """Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote: every number in it
-comes from those files, and every PASS/MISS is computed from them.
+comes from those files, and every PASS/MISS is computed from them here.
 
     python -m benchmarks.report [--results-dir benchmarks/results] [--output benchmarks/RESULTS.md]
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
+import string
 from pathlib import Path
 
-from benchmarks import spec_decode, throughput
+# Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
+THROUGHPUT_TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
+# Speculation targets on the development CPU. Grounded workload: the best ngram k against no
+# speculation and against HF's best prompt-lookup k; the sweep's largest batch: the engine default
+# against no speculation.
+SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
 
 
-def _load(results_dir: Path) -> dict[str, list[dict]]:
-    """JSON payloads by benchmark name (block_manager.json carries no name: its file says it)."""
-    found: dict[str, list[dict]] = {}
-    for path in sorted(results_dir.glob("*.json")):
-        payload = json.loads(path.read_text())
-        name = payload.get("benchmark") or path.stem
-        payload["_file"] = path.name
-        found.setdefault(name, []).append(payload)
-    return found
+class _Cells(string.Formatter):
+    """str.format for table rows: a missing or None value renders as an empty cell; the spec "ms"
+    shows seconds in milliseconds, and a float spec with an "x" after it (".2fx") a ratio."""
+
+    def get_value(self, key: int | str, args: tuple, kwargs: dict) -> object:
+        return kwargs.get(key) if isinstance(key, str) else args[key]
+
+    def format_field(self, value: object, spec: str) -> str:
+        if value is None:
+            return ""
+        if spec == "ms":
+            return f"{value * 1e3:.1f}"
+        return format(value, spec[:-1]) + "x" if spec.endswith("fx") else format(value, spec)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
+def _row(template: str, *args: object, **kwargs: object) -> str:
+    return "| " + _Cells().format(template, *args, **kwargs) + " |"
 
 
-def _machine(payload: dict) -> list[str]:
-    m = payload["machine"]
+def _table(header: str, rows: list[str]) -> list[str]:
+    """A markdown table; ``header`` holds the column names separated by " | "."""
+    return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1), *rows]
+
+
+def _section(title: str, notes: list[str], header: str, rows: list[str]) -> list[str]:
+    """A section of the page: its title, notes (a bulleted list) and table."""
+    return [f"## {title}", "", *notes, *([""] if notes else []), *_table(header, rows), ""]
+
+
+def _machine(p: dict) -> list[str]:
+    m = p["machine"]
     device = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads"
     return [
         f"- command: `{m['command']}`",
         f"- machine: {device}; torch {m['torch']}, transformers {m['transformers']}, "
         f"python {m['python']}; commit {m['git_commit']}"
         + (f"; run {m['date']}" if m.get("date") else ""),
-        f"- raw numbers: [{payload['_file']}]({{results}}/{payload['_file']})",
+        f"- raw numbers: [{p['_file']}]({{results}}/{p['_file']})",
     ]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
 def render_throughput(p: dict) -> list[str]:
-    model, rates = p["model"], p["roofline"]
-    cfg = p["config"]
+    model, rates, cfg = p["model"], p["roofline"], p["config"]
     weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
-    title = f"{model['name']} ({model['dtype']}, {weights} weights)"
-    lines = [f"## Throughput: {title}", ""]
-    lines += _machine(p)
-    lines += [
+    template = (
+        "{b} | {n} | {s[output_tokens_per_s]:.1f} | {s[total_tokens_per_s]:.1f} | "
+        "{s[requests_per_s]:.2f} | {s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
+        "{s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | {ratio:.2f} | {ceiling:.0f} | {share:.1%}"
+    )
+    rows = []
+    for r in p["results"]:
+        for n, s in r["systems"].items():
+            if "error" in s:
+                error = "{} | {} | unavailable: {} |  |  |  |  |  |  | "
+                rows.append(_row(error, r["batch_size"], n, s["error"]))
+                continue
+            ours = n == "pagedspec"
+            ceiling = {"ceiling": r["ceiling_tokens_per_s"], "share": r["roofline_fraction"]}
+            row = {"b": r["batch_size"], "n": n, "s": s, "ratio": r["ratios"].get(n)}
+            rows.append(_row(template, **row, **(ceiling if ours else {})))
+    used = [(r["batch_size"], r["systems"]["pagedspec"]) for r in p["results"]]
+    return [
+        f"## Throughput: {model['name']} ({model['dtype']}, {weights} weights)",
+        "",
+        *_machine(p),
         f"- workload: per batch size B, {cfg['waves']} x B requests submitted at once, "
         f"input {cfg['input_len']} tokens, output {cfg['output_len']} tokens (uniform, seed "
         f"{cfg['seed']}), greedy, ignore_eos; speculation: {cfg['speculative_method'] or 'off'}",
@@ -65,278 +93,156 @@ def render_throughput(p: dict) -> list[str]:
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
         f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
         "",
-    ]
-    rows = []
-    for r in p["results"]:
-        for name, s in r["systems"].items():
-            if "error" in s:
-                rows.append([str(r["batch_size"]), name, f"unavailable: {s['error']}"] + [""] * 7)
-                continue
-            ratio = r["ratios"].get(name)
-            ours = name == "pagedspec"
-            rows.append(
-                [
-                    str(r["batch_size"]),
-                    name,
-                    f"{s['output_tokens_per_s']:.1f}",
-                    f"{s['total_tokens_per_s']:.1f}",
-                    f"{s['requests_per_s']:.2f}",
-                    f"{_ms(s['ttft_median_s'])} / {_ms(s['ttft_p99_s'])}",
-                    f"{_ms(s['tpot_median_s'])} / {_ms(s['tpot_p99_s'])}",
-                    "" if ratio is None else f"{ratio:.2f}",
-                    f"{r['ceiling_tokens_per_s']:.0f}" if ours else "",
-                    f"{r['roofline_fraction']:.1%}" if ours else "",
-                ]
-            )
-    lines += _table(
-        [
-            "B",
-            "system",
-            "out tok/s",
-            "total tok/s",
-            "req/s",
-            "TTFT p50 / p99 ms",
-            "TPOT p50 / p99 ms",
-            "pagedspec / peer",
-            "decode ceiling tok/s",
-            "of ceiling",
-        ],
-        rows,
-    )
-    ours = [r["systems"]["pagedspec"] for r in p["results"]]
-    lines += [
+        *_table(
+            "B | system | out tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+            "| pagedspec / peer | decode ceiling tok/s | of ceiling",
+            rows,
+        ),
         "",
         "pagedspec peak KV blocks used / allocated: "
-        + ", ".join(
-            f"B={r['batch_size']}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}"
-            for r, s in zip(p["results"], ours, strict=True)
-        )
-        + f"; preemptions: {sum(s['preemptions'] for s in ours)}.",
+        + ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
+        + f"; preemptions: {sum(s['preemptions'] for _, s in used)}.",
         "The ceiling bounds decode alone; the fraction divides generated tokens/s, whose time "
         "includes prefill, by it.",
         "",
         f"![throughput]({{results}}/{p['plot']})",
         "",
     ]
-    return lines
 
 
 def render_latency(p: dict) -> list[str]:
     cfg = p["config"]
-    lines = [f"## Latency: {p['model']}", ""] + _machine(p)
-    lines += [
-        f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
-        f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
-        "",
-    ]
-
-    def q(stat: dict) -> str:
-        return " / ".join(_ms(stat[k]) for k in ("p50", "p90", "p99"))
-
+    q = " | ".join(
+        f"{{{key}[p50]:ms}} / {{{key}[p90]:ms}} / {{{key}[p99]:ms}}"
+        for key in ("ttft_s", "tpot_s", "batch_latency_s")
+    )
     rows = [
-        [
-            r["config"],
-            str(r["batch_size"]),
-            q(r["ttft_s"]),
-            q(r["tpot_s"]),
-            q(r["batch_latency_s"]),
-            "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}",
-        ]
+        _row(f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}", **r)
         for r in p["results"]
     ]
-    lines += _table(
-        ["config", "B", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "batch ms", "acceptance"],
-        rows,
-    )
-    return [*lines, ""]
+    notes = [
+        *_machine(p),
+        f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
+        f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
+    ]
+    header = "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance"
+    return _section(f"Latency: {p['model']}", notes, header, rows)
 
 
 def render_spec_decode(p: dict) -> list[str]:
-    cfg = p["config"]
-    lines = [f"## Speculative decoding: {p['model']}", ""] + _machine(p)
-    lines += [
+    cfg, rows = p["config"], []
+    template = (
+        "{w} | {system} | {label} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
+        "{acc:.0%} | {tokens_per_round:.2f} | {r[same_tokens_as_reference]:.0%}"
+    )
+    for w, systems in p["workloads"].items():
+        for system, runs in systems.items():
+            ours = system == "pagedspec"
+            for k, r in runs.items():
+                label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
+                rows.append(_row(
+                    template, w=w, r=r, system="pagedspec" if ours else "HF generate",
+                    label="no speculation" if k == "none" else label,
+                    speedup=r["tokens_per_s"] / runs["none"]["tokens_per_s"],
+                    acc=r.get("acceptance_rate"), tokens_per_round=r.get("mean_accepted_length"),
+                ))  # fmt: skip
+    lines = [
+        f"## Speculative decoding: {p['model']}",
+        "",
+        *_machine(p),
         f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
         f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
         "whose output equals pagedspec's without speculation",
         "",
+        *_table(
+            "workload | system | speculation | tok/s | speedup | acceptance | tokens/round "
+            "| same tokens",
+            rows,
+        ),
     ]
-    rows = []
-    for workload, systems in p["workloads"].items():
-        for system, runs in systems.items():
-            base = runs["none"]["tokens_per_s"]
-            for k, r in runs.items():
-                acc = r.get("acceptance_rate")
-                method = "pagedspec" if system == "pagedspec" else "HF generate"
-                label = "no speculation" if k == "none" else f"k={k}"
-                if k != "none":
-                    label = f"{'ngram' if system == 'pagedspec' else 'prompt lookup'} {label}"
-                rows.append(
-                    [
-                        workload,
-                        method,
-                        label,
-                        f"{r['tokens_per_s']:.1f}",
-                        f"{r['tokens_per_s'] / base:.2f}",
-                        "" if acc is None else f"{acc:.0%}",
-                        "" if acc is None else f"{r['mean_accepted_length']:.2f}",
-                        f"{r['same_tokens_as_reference']:.0%}",
-                    ]
-                )
-    lines += _table(
-        [
-            "workload",
-            "system",
-            "speculation",
-            "tok/s",
-            "speedup",
-            "acceptance",
-            "tokens/round",
-            "same tokens",
-        ],
-        rows,
-    )
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
     return [*lines, "", f"![speedup vs k]({{results}}/{p['plot']})", ""]
 
 
 def _render_sweep(workload: str, sweep: dict) -> list[str]:
+    template = "{b} | {off:.1f} | {forced:.1f} | {ratio:.2f} | {acc:.0%} | {default:.1f}"
     rows = []
-    for b, off_row in sweep["rows"]["off"].items():
-        off = off_row["tokens_per_s"]
-        forced = sweep["rows"]["forced"][b]
-        default = sweep["rows"]["default"].get(b)
-        acc = forced["acceptance_rate"]
-        rows.append(
-            [
-                b,
-                f"{off:.1f}",
-                f"{forced['tokens_per_s']:.1f}",
-                f"{forced['tokens_per_s'] / off:.2f}",
-                "" if acc is None else f"{acc:.0%}",
-                "" if default is None else f"{default['tokens_per_s']:.1f}",
-            ]
-        )
-    crossover = sweep["crossover_batch_size"]
-    lines = [
+    for b, off in sweep["rows"]["off"].items():
+        forced, default = sweep["rows"]["forced"][b], sweep["rows"]["default"].get(b, {})
+        rows.append(_row(
+            template, b=b, off=off["tokens_per_s"], forced=forced["tokens_per_s"],
+            ratio=forced["tokens_per_s"] / off["tokens_per_s"], acc=forced["acceptance_rate"],
+            default=default.get("tokens_per_s"),
+        ))  # fmt: skip
+    crossover, repeats = sweep["crossover_batch_size"], sweep.get("repeats")
+    return [
         "",
         f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, ngram "
         f"k={sweep['k']} forced on at every batch size vs off; 'default' is the engine's "
-        "SpeculativeConfig "
-        f"(speculation off at >= {sweep['default_disable_batch_size']} running or waiting "
-        "sequences)"
-        + (
-            f"; the configs take turns, best of {sweep['repeats']} runs each."
-            if sweep.get("repeats")
-            else "."
-        ),
+        f"SpeculativeConfig (speculation off at >= {sweep['default_disable_batch_size']} running "
+        "or waiting sequences)"
+        + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
         "",
-    ]
-    lines += _table(
-        ["B", "off tok/s", "forced tok/s", "forced / off", "acceptance", "default tok/s"], rows
-    )
-    lines += [
+        *_table("B | off tok/s | forced tok/s | forced / off | acceptance | default tok/s", rows),
         "",
-        "Measured crossover: "
-        + (
-            f"forced speculation is first slower than none at B={crossover}."
-            if crossover
-            else "forced speculation was never slower than none up to "
-            f"B={sweep['largest_batch_size']}."
-        ),
+        f"Measured crossover: forced speculation is first slower than none at B={crossover}."
+        if crossover
+        else "Measured crossover: forced speculation was never slower than none up to "
+        f"B={sweep['largest_batch_size']}.",
     ]
-    return lines
 
 
 def render_block_manager(p: dict) -> list[str]:
-    cfg = p["config"]
-    lines = [
-        "## KV block manager bookkeeping",
-        "",
+    cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
+    template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
+    rows = [_row(template, on="on" if r["prefix_caching"] else "off", r=r) for r in p["results"]]
+    notes = [
         "- config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + f"; python {p['python']}",
         f"- raw numbers: [{p['_file']}]({{results}}/{p['_file']})",
         f"- µs per step for {cfg['num_seqs']} sequences, 1 + {cfg['lookahead']} slots each, "
         f"block size {cfg['block_size']} (append, slot ids, truncate, commit)",
-        "",
     ]
-    phases = ("append", "slot_ids", "truncate", "commit")
-    rows = [
-        ["on" if r["prefix_caching"] else "off"]
-        + [f"{r[k]:.1f}" for k in ("median_us", "p90_us", "p99_us")]
-        + [f"{r[f'{ph}_us']:.1f}" for ph in phases]
-        for r in p["results"]
-    ]
-    lines += _table(["prefix cache", "median", "p90", "p99", *phases], rows)
-    return [*lines, ""]
-
-
-def render_targets(found: dict[str, list[dict]]) -> list[str]:
-    measured = [t for p in found.get("throughput", []) for t in throughput.targets(p)]
-    measured += [t for p in found.get("spec_decode", []) for t in spec_decode.targets(p)]
-    rows = [
-        [t["name"], f"{t['value']:.2f}x", f">= {t['threshold']}x",
-         "**PASS**" if t["passed"] else "**MISS**"]
-        for t in measured
-    ]  # fmt: skip
-    if not rows:
-        return []
-    return ["## Targets", "", *_table(["target", "measured", "threshold", ""], rows), ""]
+    header = "prefix cache | " + " | ".join(us)
+    return _section("KV block manager bookkeeping", notes, header, rows)
 
 
 def render_linear(p: dict) -> list[str]:
-    lines = [
-        f"## Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear` "
-        f"({p['model']})",
-        "",
+    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
+    rows = [_row(template + " | {linear_gflops:.0f}", **r) for r in p["results"]]
+    notes = [
         *_machine(p),
         f"- one pass = every projection of every layer plus the LM head "
         f"({p['weight_bytes'] / 1e6:.0f} MB of weights), median of {p['repeats']} alternated "
         f"passes, {p['threads']} threads",
-        "",
     ]
-    rows = [
-        [str(r["rows"]), f"{r['f_linear_ms']:.1f}", f"{r['linear_ms']:.1f}",
-         f"{r['speedup']:.2f}x", f"{r['linear_gbs']:.1f}", f"{r['linear_gflops']:.0f}"]
-        for r in p["results"]
-    ]  # fmt: skip
-    header = ["rows", "F.linear ms", "Linear ms", "speedup", "Linear GB/s", "Linear GFLOP/s"]
-    return [*lines, *_table(header, rows), ""]
+    title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
+    header = "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s"
+    return _section(f"{title} ({p['model']})", notes, header, rows)
 
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
         return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
-    shape = ", ".join(f"{k}={v}" for k, v in p["shape"].items())
-    lines = [
-        "## Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)",
-        "",
+    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
+    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
+    notes = [
         *_machine(p),
-        f"- one call = one layer; {shape}; batch 64, contexts uniform in 100..1000; "
-        f"{p['threads']} threads",
-        "",
+        f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
+        f"batch {'/'.join(sorted({str(r['batch']) for r in p['rows']}))}, contexts uniform in "
+        f"100..1000; {p['threads']} threads",
     ]
-    rows = [
-        [str(r["span"]), r["backend"], f"{r['median_us']:.0f}", f"{r['gb_per_s']:.1f}",
-         f"{r['ms_per_step_30_layers']:.1f}",
-         f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else ""]
-        for r in p["rows"]
-    ]  # fmt: skip
-    header = ["span", "backend", "median µs", "K/V GB/s", "ms per 30 layers", "vs torch"]
-    return [*lines, *_table(header, rows), ""]
+    title = "Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)"
+    header = "span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch"
+    return _section(title, notes, header, [_row(template, **r) for r in p["rows"]])
 
 
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
-    lines = [
-        f"## Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})",
-        "",
-    ]
-    rows = [
-        [r["name"], f"{r['seconds']:.0f}", str(r["returncode"]), f"`{r['command']}`"]
-        for r in p["runs"]
-    ]
-    return [*lines, *_table(["benchmark", "seconds", "exit", "command"], rows), ""]
+    rows = [_row("{name} | {seconds:.0f} | {returncode} | `{command}`", **r) for r in p["runs"]]
+    title = f"Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})"
+    return _section(title, [], "benchmark | seconds | exit | command", rows)
 
 
 RENDERERS = {
@@ -350,12 +256,62 @@ RENDERERS = {
 }
 
 
+def targets(p: dict) -> list[dict]:
+    """The targets ``p``'s benchmark measured: name, value, threshold and whether it passed."""
+    found = []  # (name, value, threshold)
+    if p["benchmark"] == "throughput":
+        ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
+        for b, peer, least in THROUGHPUT_TARGETS:
+            if peer in ratios.get(b, {}):
+                name = f"throughput, batch {b}: pagedspec vs {peer}"
+                found.append((name, ratios[b][peer], least))
+    grounded = p["workloads"].get("grounded") if p["benchmark"] == "spec_decode" else None
+    if grounded:
+        # The fastest k's tokens/s and its k.
+        best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")  # noqa: E731
+        ours, k = best(grounded["pagedspec"])
+        name = f"grounded: ngram (best k={k}) vs pagedspec without speculation"
+        found.append((name, ours / grounded["pagedspec"]["none"]["tokens_per_s"], SPEC_VS_OURS))
+        if "hf" in grounded:
+            hf, hf_k = best(grounded["hf"])
+            name = f"grounded: ngram (best k={k}) vs HF prompt lookup (best k={hf_k})"
+            found.append((name, ours / hf, SPEC_VS_HF_LOOKUP))
+    for w, sweep in (p.get("batch_sweep") or {}).items():
+        name = f"{w}, batch {sweep['largest_batch_size']}: engine default ngram k={sweep['k']}"
+        name += " vs no speculation"
+        found.append((name, sweep["default_vs_off_at_largest"], SPEC_LARGE_BATCH))
+    return [{"name": n, "value": v, "threshold": t, "passed": v >= t} for n, v, t in found]
+
+
+def _targets_table(payloads: list[dict]) -> list[str]:
+    template = "{name} | {value:.2f}x | >= {threshold}x | **{verdict}**"
+    rows = [
+        _row(template, **t, verdict="PASS" if t["passed"] else "MISS")
+        for p in payloads
+        for t in targets(p)
+    ]
+    return ["## Targets", "", *_table("target | measured | threshold | ", rows), ""] if rows else []
+
+
+def section(payload: dict, file: str) -> str:
+    """One benchmark's targets and section, as the benchmark prints them when it is done."""
+    lines = _targets_table([payload]) + RENDERERS[payload["benchmark"]](payload | {"_file": file})
+    return "\n".join(lines).replace("{results}", ".")
+
+
 def render(results_dir: Path, output: Path) -> str:
     """RESULTS.md's text for the JSON files in ``results_dir``, with links relative to
     ``output``'s folder."""
-    found = _load(results_dir)
-    if not found:
+    payloads = []
+    for path in sorted(results_dir.glob("*.json")):
+        p = json.loads(path.read_text())
+        # block_manager.json carried no name before: its file's says it.
+        p |= {"benchmark": p.get("benchmark", path.stem), "_file": path.name}
+        if p["benchmark"] in RENDERERS:
+            payloads.append(p)
+    if not payloads:
         raise ValueError(f"no benchmark JSON files in {results_dir}")
+    payloads.sort(key=lambda p: list(RENDERERS).index(p["benchmark"]))
     lines = [
         "# Benchmark results",
         "",
@@ -363,13 +319,12 @@ def render(results_dir: Path, output: Path) -> str:
         f"`{results_dir}`; do not edit by hand. `make bench` reruns the CPU sweep "
         "(`python -m benchmarks.run_all`) and regenerates this page.",
         "",
+        *_targets_table(payloads),
     ]
-    lines += render_targets(found)
-    for name, renderer in RENDERERS.items():
-        for payload in found.get(name, []):
-            lines += renderer(payload)
-    link = os.path.relpath(results_dir, output.parent)
-    return "\n".join(lines).replace("{results}", Path(link).as_posix()) + "\n"
+    for p in payloads:
+        lines += RENDERERS[p["benchmark"]](p)
+    link = Path(os.path.relpath(results_dir, output.parent)).as_posix()
+    return "\n".join(lines).replace("{results}", link) + "\n"
 
 
 def main() -> None:

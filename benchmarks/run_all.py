@@ -13,47 +13,46 @@ time.
 own RESULTS.md there, leaving benchmarks/RESULTS.md alone.
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
-import json
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import output
+
+# name: "module flags..." (benchmarks.<module>).
 FULL = {
-    "throughput": "--batch-sizes 1,4,16,32,64 --input-len 32:128 --output-len 32:64",
-    "latency": "--batch-sizes 1,4 --output-len 32 --warmup-iters 1 --iters 3",
-    "spec_decode": "--num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
+    "throughput": "throughput --batch-sizes 1,4,16,32,64 --input-len 32:128 --output-len 32:64",
+    "latency": "throughput --latency --batch-sizes 1,4 --output-len 32 --warmup-iters 1 --iters 3",
+    "spec_decode": "spec_decode --num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24",
-    "block_manager": "",
-    "linear": "",
-    "kernels": "--spans 1,5,64 --iters 10",
+    "block_manager": "block_manager",
+    "linear": "linear",
+    "kernels": "kernels --spans 1,5,64 --iters 10",
 }
 QUICK = {
-    "throughput": "--batch-sizes 1,4 --input-len 16:64 --output-len 8:16 --repeats 1",
-    "latency": "--output-len 16 --warmup-iters 1 --iters 2",
-    "spec_decode": "--num-prompts 2 --max-tokens 24 --k-values 2,4 --batch-sizes 1,4 "
-    "--sweep-max-tokens 16",
-    "block_manager": "--num-seqs 32 --steps 50",
-    "linear": "--rows 1,8,64 --repeats 2",
-    "kernels": "--spans 1 --iters 2",
+    "throughput": "throughput --batch-sizes 1,4 --input-len 16:64 --output-len 8:16 --repeats 1",
+    "latency": "throughput --latency --batch-sizes 1,4 --output-len 16 --warmup-iters 1 --iters 2",
+    "spec_decode": "spec_decode --num-prompts 2 --max-tokens 24 --k-values 2,4 "
+    "--batch-sizes 1,4 --sweep-max-tokens 16",
+    "block_manager": "block_manager --num-seqs 32 --steps 50",
+    "linear": "linear --rows 1,8,64 --repeats 2",
+    "kernels": "kernels --spans 1 --iters 2",
 }
-TAKES_MODEL = ("throughput", "latency", "spec_decode", "linear")
+TAKES_MODEL = ("throughput", "spec_decode", "linear")  # modules with a --model flag
 
 
 def commands(quick: bool, model: str | None, output_dir: Path) -> dict[str, list[str]]:
     """The command line of each benchmark."""
     out = {}
-    for name, extra in (QUICK if quick else FULL).items():
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", *shlex.split(extra)]
-        cmd += ["--output-dir", str(output_dir)]
-        if model is not None and name in TAKES_MODEL:
-            cmd += ["--model", model]
-        out[name] = cmd
+    for name, line in (QUICK if quick else FULL).items():
+        module, *flags = shlex.split(line)
+        flags += ["--output-dir", str(output_dir)]
+        flags += ["--model", model] if model is not None and module in TAKES_MODEL else []
+        out[name] = [sys.executable, "-m", f"benchmarks.{module}", *flags]
     return out
 
 
@@ -86,7 +85,7 @@ def main() -> None:
         "runs": runs,
         "total_s": time.perf_counter() - start,
     }
-    (output_dir / "run_all.json").write_text(json.dumps(summary, indent=2) + "\n")
+    output.save(summary, output_dir, "run_all")
     report = [sys.executable, "-m", "benchmarks.report", "--results-dir", str(output_dir)]
     rc = subprocess.run([*report, "--output", str(results_md)]).returncode
     failed = [r["name"] for r in runs if r["returncode"] != 0] + (["report"] if rc else [])
