@@ -1,0 +1,65 @@
+"""An EAGLE-1 draft head as the engine runs it: one paged Llama decoder layer over
+``fc([embed(token_i); feature_{i-1}])``, a reduced-vocabulary LM head and its draft→target id map.
+
+The file format and the head's definition are ``engine.spec_decode.eagle_format``'s; its KV lives
+in the same block tables as the target's (one layer), so it rolls back with them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.attention import AttentionMetadata
+from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.llama import LlamaDecoderLayer, head_dim_of
+
+
+class EagleHead(nn.Module):
+    def __init__(self, layer_config, draft_vocab_size: int, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        hidden = layer_config.hidden_size
+        self.config = layer_config
+        self.fc = Linear(2 * hidden, hidden, bias=False)
+        self.layer = LlamaDecoderLayer(layer_config)
+        self.lm_head = Linear(hidden, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.rotary_emb = RotaryEmbedding(layer_config, head_dim_of(layer_config))
+        self.embed_tokens = [embed_tokens]  # the target's, frozen: not a submodule of the head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        features: torch.Tensor,
+    ) -> torch.Tensor:
+        """features [T, H]: feature_{i-1} for the token at each position i. Returns h [T, H],
+        the head's estimate of the target's feature at each position."""
+        x = torch.cat([self.embed_tokens[0](input_ids), features.to(self.fc.weight.dtype)], -1)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        return self.layer(self.fc(x), cos, sin, kv_caches[0], meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """h [N, H] -> float32 logits over the draft vocabulary [N, draft_vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The saved tensors (``eagle_format`` names) into the fused parameters."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        prefix = "layer.self_attn."
+        attn.qkv_proj.weight.copy_(
+            torch.cat([state_dict[f"{prefix}{p}_proj.weight"] for p in "qkv"])
+        )
+        attn.o_proj.weight.copy_(state_dict[f"{prefix}o_proj.weight"])
+        mlp.gate_up_proj.weight.copy_(
+            torch.cat([state_dict[f"layer.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        )
+        mlp.down_proj.weight.copy_(state_dict["layer.mlp.down_proj.weight"])
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(self.layer, name).weight.copy_(state_dict[f"layer.{name}.weight"])
+        self.fc.weight.copy_(state_dict["fc.weight"])
+        self.lm_head.weight.copy_(state_dict["lm_head.weight"])
+        self.d2t.copy_(state_dict["d2t"])
