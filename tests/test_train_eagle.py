@@ -173,7 +173,7 @@ def test_training_script_end_to_end(tmp_path):
     out, work = tmp_path / "head", tmp_path / "work"
     argv = [
         "--model", model, "--out", str(out), "--work-dir", str(work), "--num-prompts", "12",
-        "--max-tokens", "16", "--draft-vocab-size", "64", "--steps", "40", "--batch-size", "4",
+        "--max-tokens", "16", "--draft-vocab-size", "64", "--steps", "150", "--batch-size", "4",
         "--lr", "3e-3", "--chunk-size", "6", "--heldout-fraction", "0.2", "--max-num-seqs", "8",
         "--heldout-chat", str(chat), "--checkpoint-every", "20", "--eval-steps", "3",
     ]  # fmt: skip
@@ -184,7 +184,7 @@ def test_training_script_end_to_end(tmp_path):
     assert {k: tuple(v.shape) for k, v in sd.items()} == eagle_format.expected_shapes(config)
     assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
     first, last = manifest["training"]["first_logged"], manifest["training"]["last_logged"]
-    assert last["step"] == 39 and last["loss"] < 0.7 * first["loss"], (first, last)
+    assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
     assert len(manifest["eval"]["heldout_chat"]["acc_greedy"]) == 3
     assert manifest["data"]["sequences"] == 12
     assert json.loads((out / "manifest.json").read_text())["command"].endswith("3")

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=1600)
     p.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
-    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
     p.add_argument("--batch-size", type=int, default=8, help="conversations per step")
     p.add_argument("--lr", type=float, default=5e-4)
@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out chat prompts (jsonl) to evaluate on; 'none' skips",
     )
     p.add_argument("--heldout-fraction", type=float, default=0.04)
-    p.add_argument("--chunk-size", type=int, default=128, help="prompts per stage-1 chunk")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="engine batch in stage 1")
+    p.add_argument("--chunk-size", type=int, default=256, help="prompts per stage-1 chunk")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch in stage 1")
     p.add_argument("--feature-batch-tokens", type=int, default=4096)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     llm_factory = functools.cache(lambda: data.make_llm(model_path, args.max_num_seqs, args.seed))
     prompts = make_prompts(args.num_prompts, args.seed)
-    stats = data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
-                                  args.seed)  # fmt: skip
+    stats = data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size)
     _timings(work, "stage1_answers", stats)
     chat = args.heldout_chat if args.heldout_chat != "none" else None
     if chat:

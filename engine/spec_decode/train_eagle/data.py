@@ -1,5 +1,6 @@
 """Stage 1: self-distilled conversations. Each instruction goes through the target's chat template
-and is answered by our engine (even indices greedy, odd ones at temperature 0.7, seeded); the token
+and is answered by our engine (even indices greedy, odd ones at temperature 0.7; the engine's seed
+makes a chunk reproducible, per-request seeds would slow sampling down); the token
 ids of prompt and answer are saved in chunk files under ``<work_dir>/answers/``. A finished chunk
 is never redone, so a killed run resumes at the first missing chunk."""
 
@@ -32,14 +33,10 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _answer(llm, conversations: list[list[dict]], temperatures: list[float], seeds: list[int],
-            max_tokens: int) -> list[dict]:  # fmt: skip
+def _answer(llm, conversations: list, temperatures: list[float], max_tokens: int) -> list[dict]:
     from engine import SamplingParams
 
-    params = [
-        SamplingParams(temperature=t, max_tokens=max_tokens, seed=s if t > 0 else None)
-        for t, s in zip(temperatures, seeds, strict=True)
-    ]
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens) for t in temperatures]
     outs = llm.chat(conversations, params, use_tqdm=False)
     return [
         {
@@ -59,7 +56,7 @@ def make_llm(model: str, max_num_seqs: int, seed: int):
 
 
 def generate_answers(
-    llm_factory, prompts: list[str], work_dir: str, max_tokens: int, chunk_size: int, seed: int
+    llm_factory, prompts: list[str], work_dir: str, max_tokens: int, chunk_size: int
 ) -> dict:
     """Answer every prompt, chunk by chunk, skipping finished chunks. ``llm_factory()`` builds
     the engine (only if some chunk is missing). Returns timing stats of this call."""
@@ -76,9 +73,7 @@ def generate_answers(
         idx = list(range(i * chunk_size, min(len(prompts), (i + 1) * chunk_size)))
         conversations = [[{"role": "user", "content": prompts[j]}] for j in idx]
         temps = [0.0 if j % 2 == 0 else SAMPLED_TEMPERATURE for j in idx]
-        records = _answer(
-            llm, conversations, temps, [seed * 1_000_003 + j for j in idx], max_tokens
-        )
+        records = _answer(llm, conversations, temps, max_tokens)
         for j, r in zip(idx, records, strict=True):
             r["index"] = j
             r["prompt"] = prompts[j]
@@ -106,8 +101,7 @@ def generate_heldout_chat(llm_factory, path: str, work_dir: str, max_tokens: int
         return len(read_jsonl(out))
     conversations = [r["messages"] for r in read_jsonl(path)]
     llm = llm_factory()
-    records = _answer(llm, conversations, [0.0] * len(conversations), [0] * len(conversations),
-                      max_tokens)  # fmt: skip
+    records = _answer(llm, conversations, [0.0] * len(conversations), max_tokens)
     for j, r in enumerate(records):
         r["index"] = j
     write_jsonl(out, records)
