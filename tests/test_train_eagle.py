@@ -183,6 +183,8 @@ def test_training_script_end_to_end(tmp_path):
     assert config["layer_config"]["num_key_value_heads"] == 2
     assert {k: tuple(v.shape) for k, v in sd.items()} == eagle_format.expected_shapes(config)
     assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
+    head = EagleHead.from_dir(str(out))
+    torch.testing.assert_close(head.lm_head.weight, sd["lm_head.weight"].float())
     first, last = manifest["training"]["first_logged"], manifest["training"]["last_logged"]
     assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
     assert len(manifest["eval"]["heldout_chat"]["acc_greedy"]) == 3

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from engine.spec_decode.eagle_format import llama_config
+from engine.spec_decode.eagle_format import llama_config, load_head
 
 
 class EagleHead(nn.Module):
@@ -41,6 +41,15 @@ class EagleHead(nn.Module):
         for module in (self.fc, self.layer.self_attn, self.layer.mlp):
             for p in module.parameters():
                 nn.init.normal_(p, 0.0, std)
+
+    @classmethod
+    def from_dir(cls, path: str) -> EagleHead:
+        """A saved head (``eagle_format.load_head``) in float32, in eval mode: a reference
+        implementation to check an inference module against."""
+        state_dict, config = load_head(path)
+        head = cls(config["layer_config"], config["draft_vocab_size"])
+        head.load_state_dict({k: v if k == "d2t" else v.float() for k, v in state_dict.items()})
+        return head.eval()
 
     def forward(
         self, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1, noise: float = 0.0
