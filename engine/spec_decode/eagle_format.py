@@ -1,0 +1,259 @@
+"""The on-disk format of an EAGLE-1 style draft head (the contract between the trainer and the
+engine's proposer).
+
+A head directory holds ``model.safetensors`` (exactly the tensors of ``expected_shapes``),
+``config.json`` (``architecture``, ``hidden_size``, ``draft_vocab_size``, ``target_vocab_size``,
+``target_model``, ``layer_config``) and optionally ``manifest.json`` (how it was trained).
+
+The head, for a target with hidden size H: at position i its input is
+``fc([embed(token_i); feature_{i-1}])`` (the target's own frozen embedding, not stored here;
+feature_j = the target's final hidden state after its final norm, zeros before position 0),
+then one Llama decoder layer built from ``layer_config``; the layer's output h_i approximates
+feature_i and ``lm_head(h_i)`` gives logits over the draft vocabulary for token i+1.
+``d2t[j]`` is the target id of draft id j (strictly ascending). Dependencies: torch, safetensors,
+json (transformers only inside ``llama_config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ARCHITECTURE = "eagle1"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+CONFIG_FIELDS = (
+    "architecture",
+    "hidden_size",
+    "draft_vocab_size",
+    "target_vocab_size",
+    "target_model",
+    "layer_config",
+)
+LAYER_CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "hidden_act",
+    "model_type",
+    "attention_bias",
+    "mlp_bias",
+)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def layer_config_from_hf(config: Any) -> dict:
+    """The ``layer_config`` of a head for a HF Llama-family target config (transformers 4.x
+    ``rope_theta`` / ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        theta = params["rope_theta"]
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = None if rest.get("rope_type", "default") == "default" else rest
+    else:
+        theta, scaling = config.rope_theta, getattr(config, "rope_scaling", None)
+    heads = config.num_attention_heads
+    return {
+        "hidden_size": int(config.hidden_size),
+        "intermediate_size": int(config.intermediate_size),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        "rms_norm_eps": float(config.rms_norm_eps),
+        "rope_theta": float(theta),
+        "rope_scaling": dict(scaling) if scaling else None,
+        "max_position_embeddings": int(config.max_position_embeddings),
+        "hidden_act": str(config.hidden_act),
+        "model_type": str(config.model_type),
+        "attention_bias": bool(getattr(config, "attention_bias", False)),
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+    }
+
+
+def llama_config(layer_config: dict):
+    """A ``transformers.LlamaConfig`` with one hidden layer, for building the head's layer."""
+    from transformers import LlamaConfig
+
+    fields = {k: layer_config[k] for k in LAYER_CONFIG_FIELDS if k != "model_type"}
+    return LlamaConfig(num_hidden_layers=1, **fields)
+
+
+def make_config(
+    layer_config: dict, draft_vocab_size: int, target_vocab_size: int, target_model: str
+) -> dict:
+    config = {
+        "architecture": ARCHITECTURE,
+        "hidden_size": layer_config["hidden_size"],
+        "draft_vocab_size": int(draft_vocab_size),
+        "target_vocab_size": int(target_vocab_size),
+        "target_model": str(target_model),
+        "layer_config": dict(layer_config),
+    }
+    check_config(config)
+    return config
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+
+
+def check_config(config: dict) -> None:
+    """Raise ValueError naming the first missing or inconsistent field."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    missing = [f for f in CONFIG_FIELDS if f not in config]
+    if missing:
+        raise ValueError(f"config is missing {missing}")
+    if config["architecture"] != ARCHITECTURE:
+        raise ValueError(
+            f"config architecture must be {ARCHITECTURE!r}, got {config['architecture']!r}"
+        )
+    for name in ("hidden_size", "draft_vocab_size", "target_vocab_size"):
+        _positive_int(config[name], name)
+    if config["draft_vocab_size"] > config["target_vocab_size"]:
+        raise ValueError(
+            f"config draft_vocab_size ({config['draft_vocab_size']}) exceeds "
+            f"target_vocab_size ({config['target_vocab_size']})"
+        )
+    if not isinstance(config["target_model"], str):
+        raise ValueError("config target_model must be a string")
+    layer = config["layer_config"]
+    if not isinstance(layer, dict):
+        raise ValueError("config layer_config must be a dict")
+    missing = [f for f in LAYER_CONFIG_FIELDS if f not in layer]
+    if missing:
+        raise ValueError(f"config layer_config is missing {missing}")
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        _positive_int(layer[name], f"layer_config.{name}")
+    if layer["hidden_size"] != config["hidden_size"]:
+        raise ValueError(
+            f"config hidden_size ({config['hidden_size']}) != layer_config.hidden_size "
+            f"({layer['hidden_size']})"
+        )
+    if layer["num_attention_heads"] % layer["num_key_value_heads"]:
+        raise ValueError(
+            "config layer_config.num_attention_heads must be a multiple of num_key_value_heads"
+        )
+    if layer["attention_bias"] or layer["mlp_bias"]:
+        raise ValueError("config layer_config: attention_bias and mlp_bias must be false")
+    if layer["rope_scaling"] is not None and not isinstance(layer["rope_scaling"], dict):
+        raise ValueError("config layer_config.rope_scaling must be null or a dict")
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, for a checked config."""
+    layer = config["layer_config"]
+    h, inter = layer["hidden_size"], layer["intermediate_size"]
+    q = layer["num_attention_heads"] * layer["head_dim"]
+    kv = layer["num_key_value_heads"] * layer["head_dim"]
+    vd = config["draft_vocab_size"]
+    return {
+        "fc.weight": (h, 2 * h),
+        "layer.self_attn.q_proj.weight": (q, h),
+        "layer.self_attn.k_proj.weight": (kv, h),
+        "layer.self_attn.v_proj.weight": (kv, h),
+        "layer.self_attn.o_proj.weight": (h, q),
+        "layer.mlp.gate_proj.weight": (inter, h),
+        "layer.mlp.up_proj.weight": (inter, h),
+        "layer.mlp.down_proj.weight": (h, inter),
+        "layer.input_layernorm.weight": (h,),
+        "layer.post_attention_layernorm.weight": (h,),
+        "lm_head.weight": (vd, h),
+        "d2t": (vd,),
+    }
+
+
+def check_state_dict(state_dict: dict[str, torch.Tensor], config: dict) -> None:
+    """Raise ValueError naming missing or unexpected tensors, wrong shapes or dtypes, or a
+    ``d2t`` that is not a strictly ascending list of target ids."""
+    shapes = expected_shapes(config)
+    missing = sorted(set(shapes) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"head tensors: missing {missing}, unexpected {unexpected}")
+    for name, shape in shapes.items():
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"head tensor {name} is a {type(tensor).__name__}, not a Tensor")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"head tensor {name} has shape {tuple(tensor.shape)}, want {shape}")
+        if name == "d2t":
+            if tensor.dtype != torch.int64:
+                raise ValueError(f"head tensor d2t must be int64, got {tensor.dtype}")
+        elif tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"head tensor {name} has dtype {tensor.dtype}, want a float dtype")
+    d2t = state_dict["d2t"]
+    if len(d2t) and (int(d2t[0]) < 0 or int(d2t[-1]) >= config["target_vocab_size"]):
+        raise ValueError(f"head d2t holds ids outside [0, {config['target_vocab_size']})")
+    if len(d2t) > 1 and not bool((d2t[1:] > d2t[:-1]).all()):
+        raise ValueError("head d2t must be strictly ascending (sorted, no duplicates)")
+
+
+def save_head(
+    path: str, state_dict: dict[str, torch.Tensor], config: dict, manifest: dict | None = None
+) -> None:
+    """Check, then write ``model.safetensors``, ``config.json`` and (if given) ``manifest.json``
+    into directory ``path`` (created if needed). Each file is written then renamed into place."""
+    check_config(config)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    check_state_dict(tensors, config)
+    os.makedirs(path, exist_ok=True)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    save_file(tensors, weights + ".tmp", metadata={"format": "pt", "architecture": ARCHITECTURE})
+    os.replace(weights + ".tmp", weights)
+    _write_json(os.path.join(path, CONFIG_FILE), config)
+    if manifest is not None:
+        _write_json(os.path.join(path, MANIFEST_FILE), manifest)
+
+
+def load_head(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict, config) of the head in directory ``path``, checked against each other.
+    Tensors keep their stored dtype (``d2t`` is int64)."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    for file in (config_path, weights):
+        if not os.path.isfile(file):
+            raise ValueError(f"not an EAGLE head directory: {file} is missing")
+    with open(config_path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    check_config(config)
+    state_dict = load_file(weights)
+    check_state_dict(state_dict, config)
+    return state_dict, config
+
+
+def load_manifest(path: str) -> dict | None:
+    file = os.path.join(path, MANIFEST_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def _write_json(file: str, value: dict) -> None:
+    with open(file + ".tmp", "w") as f:
+        json.dump(value, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(file + ".tmp", file)

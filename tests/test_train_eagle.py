@@ -1,0 +1,195 @@
+"""The EAGLE head's file format, its training module, and the training script end to end at a
+tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from engine.spec_decode import eagle_format
+from engine.spec_decode.train_eagle import cli
+from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
+from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
+from engine.spec_decode.train_eagle.prompts import make_prompts
+
+TINY = LlamaConfig(
+    vocab_size=100, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, rope_theta=500.0,
+)  # fmt: skip
+
+
+def tiny_head(draft_vocab: int = 10, seed: int = 0) -> tuple[dict, dict]:
+    layer = eagle_format.layer_config_from_hf(TINY)
+    config = eagle_format.make_config(layer, draft_vocab, TINY.vocab_size, "tiny")
+    torch.manual_seed(seed)
+    shapes = eagle_format.expected_shapes(config)
+    sd = {k: torch.randn(s) for k, s in shapes.items() if k != "d2t"}
+    sd["d2t"] = torch.sort(torch.randperm(TINY.vocab_size)[:draft_vocab]).values
+    return sd, config
+
+
+def test_layer_config_fields():
+    layer = eagle_format.layer_config_from_hf(TINY)
+    assert set(layer) == set(eagle_format.LAYER_CONFIG_FIELDS)
+    assert layer["rope_theta"] == 500.0 and layer["rope_scaling"] is None
+    assert layer["head_dim"] == 8 and layer["num_key_value_heads"] == 2
+    rebuilt = eagle_format.llama_config(layer)
+    assert rebuilt.num_hidden_layers == 1 and rebuilt.rope_parameters["rope_theta"] == 500.0
+
+
+def test_save_load_round_trip(tmp_path):
+    sd, config = tiny_head()
+    sd = {k: v if k == "d2t" else v.to(torch.bfloat16) for k, v in sd.items()}
+    eagle_format.save_head(str(tmp_path), sd, config, {"steps": 3})
+    loaded, cfg = eagle_format.load_head(str(tmp_path))
+    assert cfg == config
+    assert set(loaded) == set(sd)
+    for k, v in sd.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v)
+    assert eagle_format.load_manifest(str(tmp_path)) == {"steps": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "manifest.json", "model.safetensors",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda sd, c: sd.pop("fc.weight"), "missing \\['fc.weight'\\]"),
+        (lambda sd, c: sd.update(extra=torch.zeros(1)), "unexpected \\['extra'\\]"),
+        (lambda sd, c: sd.update({"lm_head.weight": torch.zeros(9, 32)}), "lm_head.weight"),
+        (lambda sd, c: sd.update(d2t=sd["d2t"].flip(0)), "ascending"),
+        (lambda sd, c: sd.update(d2t=sd["d2t"].int()), "int64"),
+        (lambda sd, c: sd["d2t"].__setitem__(-1, 100), "outside"),
+        (lambda sd, c: sd.update({"fc.weight": sd["fc.weight"].long()}), "dtype"),
+        (lambda sd, c: c.update(architecture="eagle3"), "architecture"),
+        (lambda sd, c: c.pop("target_vocab_size"), "missing \\['target_vocab_size'\\]"),
+        (lambda sd, c: c["layer_config"].pop("rope_theta"), "layer_config is missing"),
+        (lambda sd, c: c.update(hidden_size=64), "hidden_size"),
+        (lambda sd, c: c.update(draft_vocab_size=1000), "exceeds"),
+        (lambda sd, c: c["layer_config"].update(attention_bias=True), "bias"),
+    ],
+)
+def test_save_head_rejects(tmp_path, change, message):
+    sd, config = tiny_head()
+    change(sd, config)
+    with pytest.raises(ValueError, match=message):
+        eagle_format.save_head(str(tmp_path), sd, config)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_load_head_errors(tmp_path):
+    with pytest.raises(ValueError, match="config.json is missing"):
+        eagle_format.load_head(str(tmp_path))
+    sd, config = tiny_head()
+    eagle_format.save_head(str(tmp_path), sd, config)
+    bad = dict(config, draft_vocab_size=11)
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="shape"):
+        eagle_format.load_head(str(tmp_path))
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        eagle_format.load_head(str(tmp_path))
+
+
+def _head_and_inputs(seed=0, length=12):
+    layer = eagle_format.layer_config_from_hf(TINY)
+    torch.manual_seed(seed)
+    head = EagleHead(layer, 10).eval()
+    with torch.no_grad():  # larger weights than the init, so attention is far from uniform
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head, torch.randn(2, length, 32), torch.randn(2, length, 32)
+
+
+def test_head_step0_matches_hf_decoder_layer():
+    head, emb, feat = _head_and_inputs()
+    ours = head(emb, feat, steps=1)[0]
+    cfg = eagle_format.llama_config(eagle_format.layer_config_from_hf(TINY))
+    cfg._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    layer.load_state_dict(head.layer.state_dict())
+    x = head.fc(torch.cat([emb, shift_right(feat)], -1))
+    pos = torch.arange(emb.shape[1]).unsqueeze(0)
+    mask = torch.full((12, 12), float("-inf")).triu(1)[None, None]
+    ref = layer(x, attention_mask=mask, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_steps_equal_a_chain_draft():
+    """Step s at position i equals a plain causal pass where the inputs of positions
+    i-s+1..i use the head's own previous outputs instead of the target's features."""
+    head, emb, feat = _head_and_inputs(seed=1)
+    with torch.no_grad():
+        outs = head(emb, feat, steps=3)
+        for s in (1, 2):
+            for i in range(s, 12):
+                mod = feat[:, : i + 1].clone()
+                for t in range(1, s + 1):  # position i-s+t reads mod[i-s+t-1] = h^{(t-1)}
+                    mod[:, i - s + t - 1] = outs[t - 1][:, i - s + t - 1]
+                ref = head(emb[:, : i + 1], mod, steps=1)[0][:, i]
+                torch.testing.assert_close(outs[s][:, i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_step_mask_rows():
+    m = step_mask(4, 1)
+    assert m[3].tolist() == [True, True, True, False] + [False, False, False, True]
+    assert m[0].tolist() == [False] * 4 + [True, False, False, False]
+
+
+def test_draft_vocab_is_most_frequent_answer_tokens():
+    convs = [
+        {"tokens": torch.tensor([9, 9, 9, 5, 5, 7, 3, 3, 3, 3]), "prompt_len": 3},
+        {"tokens": torch.tensor([1, 2, 5, 7, 7]), "prompt_len": 2},
+    ]
+    d2t = choose_draft_vocab(convs, 12, 3)
+    assert d2t.tolist() == [3, 5, 7]  # answers: 3 x4, 5 x3, 7 x3
+    # then prompt tokens (9 x3, then 1 and 2 x1: the lower id wins)
+    assert choose_draft_vocab(convs, 12, 5).tolist() == [1, 3, 5, 7, 9]
+    t2d = target_to_draft(d2t, 12)
+    assert t2d[5] == 1 and t2d[0] == -100
+
+
+def test_prompts_are_deterministic_and_distinct():
+    a = make_prompts(300, seed=3)
+    assert a == make_prompts(300, seed=3) and len(set(a)) == 300
+    assert make_prompts(50, seed=3) == a[:50]
+    assert a != make_prompts(300, seed=4)
+
+
+def test_training_script_end_to_end(tmp_path):
+    model = build_tiny_llama(tmp_path / "model")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+        for q in ("Tell me about foxes.", "What is paged attention?")
+    ))  # fmt: skip
+    out, work = tmp_path / "head", tmp_path / "work"
+    argv = [
+        "--model", model, "--out", str(out), "--work-dir", str(work), "--num-prompts", "12",
+        "--max-tokens", "16", "--draft-vocab-size", "64", "--steps", "150", "--batch-size", "4",
+        "--lr", "3e-3", "--chunk-size", "6", "--heldout-fraction", "0.2", "--max-num-seqs", "8",
+        "--heldout-chat", str(chat), "--checkpoint-every", "20", "--eval-steps", "3",
+    ]  # fmt: skip
+    manifest = cli.main(argv)
+    sd, config = eagle_format.load_head(str(out))
+    assert config["draft_vocab_size"] == 64 and config["hidden_size"] == 64
+    assert config["layer_config"]["num_key_value_heads"] == 2
+    assert {k: tuple(v.shape) for k, v in sd.items()} == eagle_format.expected_shapes(config)
+    assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
+    head = EagleHead.from_dir(str(out))
+    torch.testing.assert_close(head.lm_head.weight, sd["lm_head.weight"].float())
+    first, last = manifest["training"]["first_logged"], manifest["training"]["last_logged"]
+    assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
+    assert len(manifest["eval"]["heldout_chat"]["acc_greedy"]) == 3
+    assert manifest["data"]["sequences"] == 12
+    assert json.loads((out / "manifest.json").read_text())["command"].endswith("3")
+    # a re-run resumes everything from the work dir: nothing is regenerated or retrained
+    again = cli.main(argv)
+    assert again["eval"] == manifest["eval"]
