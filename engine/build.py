@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
@@ -14,7 +15,9 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.processor import Processor
 from engine.sampler import Sampler
+from engine.spec_decode.eagle import EagleProposer, load_eagle_head
 from engine.spec_decode.manager import SpeculationManager
+from engine.spec_decode.proposers import DraftModelProposer, NgramProposer
 from engine.step_sampler import StepSampler
 from memory import BlockManager, allocate_kv_caches, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig
@@ -58,22 +61,32 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 f"draft_model vocabulary ({draft.config.vocab_size} tokens) differs from the "
                 f"target's ({vocab_size}); speculation needs the same vocabulary"
             )
-    models = [target] + ([draft] if draft else [])
-    num_blocks = _num_blocks(config, [m.config for m in models], max_model_len, dtype, device)
+    head = None
+    if spec is not None and spec.method == "eagle":
+        head = load_eagle_head(spec.draft_model, target, dtype, device)
+    kv_shapes = [model_kv_shape(m.config) for m in [target] + ([draft] if draft else [])]
+    if head is not None:
+        kv_shapes.append(model_kv_shape(head.config))
+    num_blocks = _num_blocks(config, kv_shapes, max_model_len, dtype, device)
 
-    def runner(model) -> ModelRunner:
+    def runner(model: nn.Module, model_config: PretrainedConfig) -> ModelRunner:
         caches = allocate_kv_caches(
-            *model_kv_shape(model.config), num_blocks, config.block_size, dtype, device
+            *model_kv_shape(model_config), num_blocks, config.block_size, dtype, device
         )
-        return ModelRunner(model.model, caches, config.attention_backend, device)
+        return ModelRunner(model, caches, config.attention_backend, device)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler_config = SchedulerConfig(
         config.max_num_seqs, config.max_num_batched_tokens, max_model_len
     )
-    manager = SpeculationManager(
-        spec, runner(draft) if draft else None, max_model_len, config.seed + 1
-    )
+    proposer = None
+    if draft is not None:
+        proposer = DraftModelProposer(runner(draft.model, draft.config), config.seed + 1)
+    elif head is not None:
+        proposer = EagleProposer(runner(head, head.config), config.seed + 1)
+    elif spec is not None:
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+    manager = SpeculationManager(spec, proposer, max_model_len)
     return EngineParts(
         tokenizer=target.tokenizer,
         model_config=target.config,
@@ -88,7 +101,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         ),
         block_manager=block_manager,
         scheduler=Scheduler(scheduler_config, block_manager),
-        runner=runner(target),
+        runner=runner(target.model, target.config),
         spec=manager,
         step_sampler=StepSampler(Sampler(config.seed, device), eos_token_ids, manager.verify),
         output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len),
@@ -97,16 +110,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def _num_blocks(
     config: EngineConfig,
-    model_configs: list[PretrainedConfig],
+    kv_shapes: list[tuple[int, int, int]],
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = sum(
-        kv_block_bytes(*model_kv_shape(c), config.block_size, dtype) for c in model_configs
-    )
+    per_block = sum(kv_block_bytes(*shape, config.block_size, dtype) for shape in kv_shapes)
     needed = config.max_num_seqs * -(-max_model_len // config.block_size)
     budget = config.kv_cache_memory
     if budget is None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # "draft": a model directory or .gguf; "eagle": a head directory (None: the head shipped
+    # for the default model)
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4

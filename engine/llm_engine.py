@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from engine.build import EngineParts, build_engine_parts
 from engine.config import EngineConfig
 from engine.model_runner import Span
@@ -27,12 +29,13 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
 from engine.request import Request, SampleState
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.proposers import Proposal
+from engine.spec_decode.proposers import Proposal, TargetStep
 from engine.step_sampler import SampleJob, SampleResult
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
-# Per scheduled sequence: one result per sample it feeds (n of them when its prompt forks).
-StepResult = tuple[Proposal, list[list[SampleResult]]]
+# Per scheduled sequence: one result per sample it feeds (n of them when its prompt forks),
+# and the target's hidden states of its span (None unless the proposer reads them).
+StepResult = tuple[Proposal, list[list[SampleResult]], list[torch.Tensor | None]]
 
 
 class LLMEngine:
@@ -126,7 +129,10 @@ class LLMEngine:
             )
             for s, drafts in zip(sched.scheduled, proposal.drafts, strict=True)
         ]
-        logits = self.runner.forward(spans)
+        if self.spec.needs_target_hidden:
+            logits, hidden = self.runner.forward(spans, return_hidden=True)
+        else:
+            logits, hidden = self.runner.forward(spans), None
         jobs, owners, row = [], [], 0
         for i, (s, span) in enumerate(zip(sched.scheduled, spans, strict=True)):
             if not s.samples:
@@ -143,18 +149,20 @@ class LLMEngine:
         results: list[list[SampleResult]] = [[] for _ in sched.scheduled]
         for i, result in zip(owners, self.step_sampler(jobs), strict=True):
             results[i].append(result)
-        return proposal, results
+        return proposal, results, _split_rows(hidden, spans)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        proposal, results = result
+        proposal, results, hidden = result
         progressed: dict[str, Request] = {}
-        for s, drafts, samples in zip(sched.scheduled, proposal.drafts, results, strict=True):
+        for s, drafts, samples, rows in zip(
+            sched.scheduled, proposal.drafts, results, hidden, strict=True
+        ):
             owner = self._owner.get(s.seq.seq_id)
             if owner is None:  # its request was aborted earlier in this loop
                 continue
             request = owner[0]
             try:
-                self._commit_sequence(request, s, drafts, samples, proposal)
+                self._commit_sequence(request, s, drafts, samples, proposal, rows)
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
                 progressed[request.request_id] = request
@@ -169,6 +177,7 @@ class LLMEngine:
         drafts: list[int],
         results: list[SampleResult],
         proposal: Proposal,
+        hidden: torch.Tensor | None,
     ) -> None:
         parent, end = s.seq, s.start + s.num_new_tokens
         seqs = [parent]
@@ -182,7 +191,10 @@ class LLMEngine:
             sample = self._owner[seq.seq_id][1]
             kept = self.outputs.append(request, sample, res.token_ids, res.logprobs)
             num_computed = end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
-            covered = self.spec.commit(seq, kept, len(drafts), len(res.token_ids), proposal, parent)
+            target = TargetStep(s.start, hidden, num_computed)
+            covered = self.spec.commit(
+                seq, kept, len(drafts), len(res.token_ids), proposal, parent, target
+            )
             cacheable = num_computed if covered is None else min(num_computed, covered)
             self.scheduler.update(seq, num_computed, kept, cacheable)
             if sample.finished:
@@ -231,3 +243,9 @@ class LLMEngine:
             self.outputs.new_sample(request, seq, index).finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         return self.outputs.output(request)
+
+
+def _split_rows(hidden: torch.Tensor | None, spans: list[Span]) -> list[torch.Tensor | None]:
+    if hidden is None:
+        return [None] * len(spans)
+    return list(hidden.split([len(span.token_ids) for span in spans]))

@@ -67,7 +67,7 @@ def model_kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -111,7 +111,7 @@ def load_model(
             f"load_format='dummy'), got {model!r}"
         )
     cls = get_model_class(config)
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         net = cls(config)
     if weights is None:
         _init_dummy(net, seed)

@@ -53,8 +53,15 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def forward(self, spans: list[Span]) -> torch.Tensor:
-        """Run one packed forward; returns float32 logits [sum(num_logits), vocab]."""
+    def forward(
+        self,
+        spans: list[Span],
+        return_hidden: bool = False,
+        features: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run one packed forward; returns float32 logits [sum(num_logits), vocab], and with
+        ``return_hidden`` the final hidden states of every token too. ``features`` (one row per
+        token) go to a model that reads them (a draft head)."""
         input_ids: list[int] = []
         positions: list[int] = []
         span_of_token: list[int] = []
@@ -87,12 +94,11 @@ class ModelRunner:
             block_tables=tables.to(dev),
             backend=self.attention_backend,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            pos.to(dev),
-            self.kv_caches,
-            meta,
-        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        extra = {} if features is None else {"features": features}
+        hidden = self.model(ids, pos.to(dev), self.kv_caches, meta, **extra)
+        rows = hidden
         if len(logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
-        return self.model.compute_logits(hidden)
+            rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
+        logits = self.model.compute_logits(rows)
+        return (logits, hidden) if return_hidden else logits

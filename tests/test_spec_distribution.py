@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import build_random_llama
+from conftest import build_random_eagle_head, build_random_llama
 from stats import chi_square_test
 from transformers import LlamaForCausalLM
 
@@ -51,6 +51,8 @@ def drafts(tmp_path_factory, target) -> dict[str, str]:
         "noisy": build_random_llama(
             tmp_path_factory.mktemp("dist_noisy"), seed=12, like=target, noise=0.5
         ),
+        # a random EAGLE head drafting from 6 of the 8 tokens
+        "eagle": build_random_eagle_head(tmp_path_factory.mktemp("dist_eagle"), target, 6),
     }
 
 
@@ -94,6 +96,8 @@ def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
         spec = {"method": "ngram", **common}
     elif method.startswith("draft-"):
         spec = {"method": "draft", "draft_model": drafts[method[6:]], **common}
+    elif method == "eagle":
+        spec = {"method": "eagle", "draft_model": drafts["eagle"], **common}
     return LLM(
         target,
         num_kv_blocks=NUM_SAMPLES + 64,
@@ -112,6 +116,8 @@ def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
         ("draft-noisy", 1.0),
         ("draft-noisy", 0.7),
         ("ngram", 0.7),
+        ("eagle", 1.0),
+        ("eagle", 0.7),
     ],
 )
 def test_speculative_sampling_follows_the_target_joint_law(

@@ -11,34 +11,20 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from engine.config import SpeculativeConfig
-from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
-from engine.spec_decode.proposers import (
-    DraftModelProposer,
-    NgramProposer,
-    Proposal,
-    Proposer,
-)
+from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
 from engine.spec_decode.rejection import verify_deterministic_drafts
 from scheduler import ScheduledSequence, Sequence
 
 
 class SpeculationManager:
     def __init__(
-        self,
-        config: SpeculativeConfig | None,
-        draft_runner: ModelRunner | None,
-        max_model_len: int,
-        seed: int = 0,
+        self, config: SpeculativeConfig | None, proposer: Proposer | None, max_model_len: int
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer: Proposer | None = None
-        if draft_runner is not None:
-            self.proposer = DraftModelProposer(draft_runner, seed)
-        elif config is not None:
-            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.proposer = proposer
         self.backoff = DraftBackoff(config.max_draft_skip if config else 0)
         self.num_lookahead_slots = config.num_speculative_tokens if config else 0
         self.num_draft_tokens = 0
@@ -97,6 +83,7 @@ class SpeculationManager:
         num_emitted: int,
         proposal: Proposal,
         scheduled_as: Sequence,
+        target: TargetStep,
     ) -> int | None:
         """Record a round of ``seq`` about to commit ``new_token_ids`` (``scheduled_as`` is the
         sequence the step ran: itself, or the parent whose prompt a new fork shares); returns
@@ -112,8 +99,12 @@ class SpeculationManager:
         if self.proposer is None:
             return None
         return self.proposer.commit(
-            seq.seq_id, proposal.written.get(scheduled_as.seq_id), new_token_ids
+            seq.seq_id, proposal.written.get(scheduled_as.seq_id), new_token_ids, target
         )
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        return self.proposer is not None and self.proposer.needs_target_hidden
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.proposer is not None:

@@ -33,8 +33,18 @@ class Proposal:
     written: dict[int, tuple[int, list[int]]]
 
 
+@dataclass(frozen=True)
+class TargetStep:
+    """What the target's forward produced for one sequence, for a proposer that reads it."""
+
+    first_position: int  # the position of hidden's first row (the step's span start)
+    hidden: torch.Tensor | None  # [span length, H] final hidden states; None unless asked for
+    num_computed: int  # the target's computed tokens once the step commits
+
+
 class Proposer(Protocol):
     runs_every_span: bool  # True: propose() must see every step, drafting or not
+    needs_target_hidden: bool  # True: commit() needs the target's hidden states
 
     def propose(
         self,
@@ -47,7 +57,11 @@ class Proposer(Protocol):
         ...
 
     def commit(
-        self, seq_id: int, written: tuple[int, list[int]] | None, new_token_ids: list[int]
+        self,
+        seq_id: int,
+        written: tuple[int, list[int]] | None,
+        new_token_ids: list[int],
+        target: TargetStep,
     ) -> int | None:
         """The step commits ``new_token_ids`` (they follow what the step computed): returns how
         many of the sequence's tokens the proposer's own KV then covers (None: it keeps none)."""
@@ -66,6 +80,7 @@ class NgramProposer:
     """Stateless: drafts what followed an earlier occurrence of the sequence's suffix."""
 
     runs_every_span = False
+    needs_target_hidden = False
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -83,7 +98,11 @@ class NgramProposer:
         return Proposal(drafts, [None] * len(drafts), {})
 
     def commit(
-        self, seq_id: int, written: tuple[int, list[int]] | None, new_token_ids: list[int]
+        self,
+        seq_id: int,
+        written: tuple[int, list[int]] | None,
+        new_token_ids: list[int],
+        target: TargetStep,
     ) -> int | None:
         return None
 
@@ -110,6 +129,7 @@ class DraftModelProposer:
     """
 
     runs_every_span = True
+    needs_target_hidden = False
 
     def __init__(self, runner: ModelRunner, seed: int):
         self.runner = runner
@@ -183,7 +203,11 @@ class DraftModelProposer:
         return sample_from_probs(q, generators, self.generator).tolist(), q
 
     def commit(
-        self, seq_id: int, written: tuple[int, list[int]] | None, new_token_ids: list[int]
+        self,
+        seq_id: int,
+        written: tuple[int, list[int]] | None,
+        new_token_ids: list[int],
+        target: TargetStep,
     ) -> int | None:
         if written is None:
             return self._valid.get(seq_id, 0)

@@ -1,0 +1,194 @@
+"""EAGLE drafting: a one-layer head reads the target's own features and drafts from them.
+
+The head's input at position i is (token_i, feature_{i-1}), feature_j being the target's final
+hidden state at j. Before the target's forward, the head feeds every position from its own KV's
+end ``valid`` up to C (the target's computed tokens, whose features earlier forwards produced),
+then drafts: d1 from h_C, d2 from (d1, h_C) at C + 1, and so on. Invariants per sequence:
+
+- the head's KV is valid for positions < ``valid``; ``valid`` <= C + 1 after every commit, and
+  a block is registered for prefix caching only once the head's KV in it is valid too;
+- ``features`` holds the target's features for positions valid - 1 .. C - 1 (what the next
+  step feeds), taken from the step that computed them; a feature no forward produced (a
+  prefix-cache hit's last position, position -1) is zeros.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_loader import LoadedModel, default_dtype
+from engine.model_runner import ModelRunner, Span
+from engine.models.eagle import EagleHead
+from engine.models.layers import Linear
+from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.eagle_format import llama_config, load_head
+from engine.spec_decode.proposers import Proposal, TargetStep
+from scheduler import ScheduledSequence
+
+# The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
+DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-eagle")
+
+
+def load_eagle_head(
+    path: str | None, target: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> EagleHead:
+    """The head at ``path`` (None: the default model's), checked against its target."""
+    state_dict, config = load_head(path or DEFAULT_HEAD)
+    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    if config["hidden_size"] != hidden or config["target_vocab_size"] != vocab:
+        raise ValueError(
+            f"draft_model head is for a target with hidden size {config['hidden_size']} and "
+            f"{config['target_vocab_size']} tokens; this model has {hidden} and {vocab}"
+        )
+    layer_config = llama_config(config["layer_config"])
+    embed = target.model.model.embed_tokens
+    with default_dtype(dtype), torch.device(device):
+        head = EagleHead(layer_config, config["draft_vocab_size"], embed)
+    head.load_weights({k: v.to(device) for k, v in state_dict.items()})
+    head.eval().requires_grad_(False)
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.prepack()
+    return head
+
+
+@dataclass(frozen=True)
+class _State:
+    valid: int  # the head's KV covers positions < valid
+    first: int  # position of features[0]
+    features: torch.Tensor  # [n, H]: the target's features at first, first + 1, ...
+
+
+class EagleProposer:
+    runs_every_span = True
+    needs_target_hidden = True
+
+    def __init__(self, runner: ModelRunner, seed: int) -> None:
+        self.runner = runner
+        self.head = runner.model
+        self.generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self._states: dict[int, _State] = {}
+
+    def propose(
+        self,
+        scheduled: list[ScheduledSequence],
+        ks: list[int],
+        params: list[SamplingParams | None],
+    ) -> Proposal:
+        spans, features, written = [], [], {}
+        for s, k in zip(scheduled, ks, strict=True):
+            seq, end = s.seq, s.start  # feed positions valid..C, C = s.start
+            state = self._states.get(seq.seq_id)
+            start = s.start if state is None else min(state.valid, s.start)
+            spans.append(Span(seq.token_ids[start : end + 1], start, 1 if k else 0, s.block_table))
+            features.append(self._features(state, start, end + 1))
+            written[seq.seq_id] = (end + 1, [])
+        drafts: list[list[int]] = [[] for _ in scheduled]
+        probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
+        active = [i for i, k in enumerate(ks) if k]
+        feats = torch.cat(features)
+        step = 0
+        while True:
+            logits, hidden = self.runner.forward(spans, features=feats, return_hidden=True)
+            if not active:
+                break
+            rows = [(params[i], scheduled[i].start + 1 + step) for i in active]
+            tokens, q = self._draw(logits, rows)
+            for j, i in enumerate(active):
+                drafts[i].append(tokens[j])
+                probs[i].append(q[j])
+            ends = torch.tensor([len(sp.token_ids) for sp in spans]).cumsum(0) - 1
+            last = hidden[ends[active] if step == 0 else ends]  # h at each active span's end
+            keep = [j for j, i in enumerate(active) if len(drafts[i]) < ks[i]]
+            active = [active[j] for j in keep]
+            if not active:
+                break
+            spans = []
+            for i in active:
+                s = scheduled[i]
+                written[s.seq.seq_id][1].append(drafts[i][-1])
+                spans.append(Span([drafts[i][-1]], s.start + 1 + step, 1, s.block_table))
+            feats = last[keep]
+            step += 1
+        sampled = [
+            torch.stack(q) if p is not None and not p.greedy else None
+            for p, q in zip(params, probs, strict=True)
+        ]
+        return Proposal(drafts, sampled, written)
+
+    def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
+        """feature_{i-1} for positions i in [start, end): stored ones, zeros where unknown."""
+        hidden = self.head.config.hidden_size
+        out = torch.zeros(end - start, hidden, device=self.runner.device)
+        if state is not None:
+            for i in range(start, end):
+                j = i - 1 - state.first
+                if 0 <= j < state.features.shape[0]:
+                    out[i - start] = state.features[j]
+        return out
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int]]
+    ) -> tuple[list[int], torch.Tensor]:
+        """Drafts over the draft vocabulary, as target ids, with q over the target vocabulary
+        (zero outside the draft vocabulary): argmax for greedy requests, else a sample."""
+        batch = SamplingBatch.from_params(
+            temperature=[p.temperature for p, _ in rows],
+            top_k=[p.top_k for p, _ in rows],
+            top_p=[p.top_p for p, _ in rows],
+            min_p=[p.min_p for p, _ in rows],
+            device=logits.device,
+        )
+        q_draft = processed_probs(logits, batch)
+        generators = [
+            None
+            if p.seed is None
+            else torch.Generator(device=logits.device).manual_seed(
+                hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
+            )
+            for p, position in rows
+        ]
+        ids = sample_from_probs(q_draft, generators, self.generator)
+        d2t = self.head.d2t
+        q = q_draft.new_zeros(len(rows), self.target_vocab_size)
+        q[:, d2t] = q_draft
+        return d2t[ids].tolist(), q
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.head.embed_tokens[0].num_embeddings
+
+    def commit(
+        self,
+        seq_id: int,
+        written: tuple[int, list[int]] | None,
+        new_token_ids: list[int],
+        target: TargetStep,
+    ) -> int | None:
+        state = self._states.get(seq_id)
+        if written is None:
+            return None if state is None else state.valid
+        base, fed = written
+        valid = base
+        for draft, token in zip(fed, new_token_ids, strict=False):
+            if draft != token:
+                break
+            valid += 1
+        first = target.first_position  # <= valid - 1: the step computed from there
+        keep = target.hidden[valid - 1 - first : target.num_computed - first]
+        self._states[seq_id] = _State(valid, valid - 1, keep.clone())
+        return valid
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if parent_id in self._states:
+            self._states[child_id] = self._states[parent_id]
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
