@@ -170,9 +170,8 @@ def build_random_eagle_head(path, target: str, draft_vocab_size: int, seed: int 
     config = make_config(layer_config_from_hf(hf), draft_vocab_size, hf.vocab_size, target)
     gen = torch.Generator().manual_seed(seed)
     state = {
-        name: torch.randn(shape, generator=gen) * (0.3 if len(shape) == 2 else 0.05) + (
-            1.0 if name.endswith("layernorm.weight") else 0.0
-        )
+        name: torch.randn(shape, generator=gen) * (0.3 if len(shape) == 2 else 0.05)
+        + (1.0 if name.endswith("layernorm.weight") else 0.0)
         for name, shape in expected_shapes(config).items()
         if name != "d2t"
     }

@@ -1,0 +1,104 @@
+"""EAGLE drafting in the engine: the paged head drafts what the reference head computes from the
+target's features, greedy output never changes, and rollback rewrites block tables only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_random_eagle_head
+from transformers import LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.spec_decode.eagle_format import load_head
+from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "one two three four five one two three",
+    "x",
+    "Paged attention stores keys and values in fixed-size blocks of memory. " * 2,
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_llama, tmp_path_factory) -> str:
+    return build_random_eagle_head(tmp_path_factory.mktemp("eagle_head"), tiny_llama, 300)
+
+
+def eagle(head: str, k: int = 3) -> dict:
+    return {"method": "eagle", "draft_model": head, "num_speculative_tokens": k,
+            "max_draft_skip": 0}  # fmt: skip
+
+
+def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
+    """k = 1: each draft is argmax lm_head(h_C), h_C from (token_C, feature_{C-1}) over the whole
+    context; recomputed here from HF's features and the training module's head."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_num_batched_tokens=16,
+              speculative_config=eagle(head, k=1))  # fmt: skip
+    proposer = llm.llm_engine.spec.proposer
+    propose, seen = proposer.propose, []
+
+    def recording(scheduled, ks, params):
+        proposal = propose(scheduled, ks, params)
+        for s, d in zip(scheduled, proposal.drafts, strict=True):
+            if d:
+                seen.append((list(s.seq.token_ids), d[0]))
+        return proposal
+
+    proposer.propose = recording
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert len(seen) > 10
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+    reference = ReferenceHead.from_dir(head)
+    d2t = load_head(head)[0]["d2t"]
+    with torch.no_grad():
+        for tokens, draft in seen:
+            ids = torch.tensor([tokens])
+            out = hf(ids, output_hidden_states=True)
+            features = out.hidden_states[-1]  # post-norm
+            h = reference(hf.model.embed_tokens(ids), features)[0][0, -1]
+            assert draft == int(d2t[reference.lm_head(h).argmax()])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_kv_blocks=128),
+        dict(num_kv_blocks=128, max_num_batched_tokens=9),  # chunked prefill
+        dict(num_kv_blocks=12, max_num_batched_tokens=64),  # forced preemption
+    ],
+    ids=["batch", "chunked", "preempt"],
+)
+def test_eagle_greedy_equals_plain_greedy(tiny_llama, head, kwargs):
+    plain = LLM(tiny_llama, num_kv_blocks=128).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_llama, speculative_config=eagle(head), **kwargs)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_draft_tokens > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    if kwargs["num_kv_blocks"] == 12:
+        assert stats.num_preemptions > 0
+
+
+def test_eagle_with_prefix_hits_n_and_stop_strings(tiny_llama, head):
+    plain_llm = LLM(tiny_llama, num_kv_blocks=128)
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=eagle(head))
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, stop=["fox"])
+    for _ in range(2):  # the second round hits the prefix cache
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        want = plain_llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [[c.text for c in o.outputs] for o in got] == [
+            [c.text for c in o.outputs] for o in want
+        ]
+    assert llm.llm_engine.get_stats().num_prefix_cache_hit_tokens > 0
+
+
+def test_a_head_for_another_model_is_rejected(tiny_llama, head, tmp_path):
+    from conftest import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "other", hidden_size=32, num_attention_heads=2,
+                             num_key_value_heads=1)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size"):
+        LLM(other, num_kv_blocks=16, speculative_config=eagle(head))
