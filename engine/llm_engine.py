@@ -41,18 +41,12 @@ StepResult = tuple[Proposal, list[list[SampleResult]], list[torch.Tensor | None]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         parts: EngineParts = build_engine_parts(config)
-        self.config = config
-        self.tokenizer = parts.tokenizer
-        self.model_config = parts.model_config
+        self.config, self.tokenizer, self.model_config = config, parts.tokenizer, parts.model_config
+        self.processor, self.block_manager = parts.processor, parts.block_manager
         self.vocab_size = parts.processor.vocab_size
         self.max_model_len = parts.processor.max_model_len
-        self.processor = parts.processor
-        self.block_manager = parts.block_manager
-        self.scheduler = parts.scheduler
-        self.runner = parts.runner
-        self.spec = parts.spec
-        self.step_sampler = parts.step_sampler
-        self.outputs = parts.output_processor
+        self.scheduler, self.runner, self.spec = parts.scheduler, parts.runner, parts.spec
+        self.step_sampler, self.outputs = parts.step_sampler, parts.output_processor
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, SampleState]] = {}  # seq_id → its request, sample
         self._aborted: list[RequestOutput] = []
@@ -114,7 +108,6 @@ class LLMEngine:
             return outputs + self._isolate_failure(sched, error)
         return outputs + self._commit(sched, result)
 
-    # --- the step -----------------------------------------------------------------------------
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         """Draft, forward, sample and verify; changes no sequence, request or proposer state."""
         self.runner.copy_blocks(sched.blocks_to_copy)
@@ -129,10 +122,11 @@ class LLMEngine:
             )
             for s, drafts in zip(sched.scheduled, proposal.drafts, strict=True)
         ]
+        hidden = None
         if self.spec.needs_target_hidden:
             logits, hidden = self.runner.forward(spans, return_hidden=True)
         else:
-            logits, hidden = self.runner.forward(spans), None
+            logits = self.runner.forward(spans)
         jobs, owners, row = [], [], 0
         for i, (s, span) in enumerate(zip(sched.scheduled, spans, strict=True)):
             if not s.samples:
