@@ -37,6 +37,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     disable_batch_size: int = 16
     max_draft_skip: int = 16
+    # A draft model or head samples its drafts from q at temperature > 0 (verified by
+    # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
+    sample_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -48,6 +51,8 @@ class SpeculativeConfig:
         _positive("disable_batch_size", self.disable_batch_size)
         if not isinstance(self.max_draft_skip, int) or self.max_draft_skip < 0:
             raise ValueError(f"max_draft_skip must be an integer >= 0, got {self.max_draft_skip!r}")
+        if not isinstance(self.sample_drafts, bool):
+            raise ValueError(f"sample_drafts must be a bool, got {self.sample_drafts!r}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft_model is required when method='draft'")
 

@@ -303,9 +303,13 @@ def test_seeded_sampling_is_the_same_with_or_without_speculation_in_any_batch(ti
 def test_sampled_drafts_from_a_draft_equal_to_the_target_are_all_accepted(tiny_llama):
     """At temperature > 0 a draft model samples from q and verification accepts with
     min(1, p/q): with q = p every draft passes (greedy drafts would pass only with p(argmax))."""
-    spec = {**draft_spec(tiny_llama, k=4), "disable_batch_size": 64}
-    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec)
     params = SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True, seed=3)
-    generate(llm, params=params)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_draft_tokens > 20 and stats.acceptance_rate > 0.99
+    rates = {}
+    for sample in (True, False):
+        spec = {**draft_spec(tiny_llama, k=4), "disable_batch_size": 64, "sample_drafts": sample}
+        llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec)
+        generate(llm, params=params)
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_draft_tokens > 20
+        rates[sample] = stats.acceptance_rate
+    assert rates[True] > 0.99 and rates[False] < 0.9  # greedy drafts: accepted with p(argmax)

@@ -7,6 +7,7 @@ acceptance, backoff and the proposer's KV state. The engine never sees a propose
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -67,6 +68,8 @@ class SpeculationManager:
         if self.proposer is None or not (any(ks) or self.proposer.runs_every_span):
             return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
         params = [params_of(s.seq) if k else None for s, k in zip(scheduled, ks, strict=True)]
+        if not self.config.sample_drafts:  # draft the argmax; verification sees no q
+            params = [p if p is None else dataclasses.replace(p, temperature=0.0) for p in params]
         return self.proposer.propose(scheduled, ks, params)
 
     @staticmethod
