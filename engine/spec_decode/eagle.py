@@ -122,13 +122,16 @@ class EagleProposer:
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
         """feature_{i-1} for positions i in [start, end): stored ones, zeros where unknown."""
-        hidden = self.head.config.hidden_size
-        out = torch.zeros(end - start, hidden, device=self.runner.device)
-        if state is not None:
-            for i in range(start, end):
-                j = i - 1 - state.first
-                if 0 <= j < state.features.shape[0]:
-                    out[i - start] = state.features[j]
+        head = self.head
+        out = torch.zeros(end - start, head.config.hidden_size, dtype=head.fc.weight.dtype,
+                          device=self.runner.device)  # fmt: skip
+        if state is not None:  # stored features cover positions first + 1 .. first + n
+            lo = max(start, state.first + 1)
+            hi = min(end, state.first + 1 + state.features.shape[0])
+            if lo < hi:
+                out[lo - start : hi - start] = state.features[
+                    lo - 1 - state.first : hi - 1 - state.first
+                ]
         return out
 
     def _draw(
