@@ -64,39 +64,42 @@ class ModelRunner:
         token) go to a model that reads them (a draft head)."""
         input_ids: list[int] = []
         positions: list[int] = []
-        span_of_token: list[int] = []
+        slots: list[int] = []
         seq_lens: list[int] = []
         cu_query_lens = [0]
         logit_rows: list[int] = []
+        size = self.block_size
         for i, span in enumerate(spans):
             n = len(span.token_ids)
-            end = span.start + n
-            if end > len(span.block_table) * self.block_size:
+            start, end, table = span.start, span.start + n, span.block_table
+            if end > len(table) * size:
                 raise ValueError(f"span {i} ends at {end}, past its block table")
             input_ids.extend(span.token_ids)
-            positions.extend(range(span.start, end))
-            span_of_token.extend([i] * n)
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:  # slot = block * block_size + offset, one run per block touched
+                index, offset = divmod(pos, size)
+                run = min(size - offset, end - pos)
+                base = table[index] * size + offset
+                slots.extend(range(base, base + run))
+                pos += run
             seq_lens.append(end)
             cu_query_lens.append(cu_query_lens[-1] + n)
             logit_rows.extend(range(cu_query_lens[-1] - span.num_logits, cu_query_lens[-1]))
         width = max(len(s.block_table) for s in spans)
         dev = self.device
-        tables = torch.tensor(
-            [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans],
-            dtype=torch.int32,
-        )
-        pos = torch.tensor(positions, dtype=torch.int64)
-        blocks = tables[torch.tensor(span_of_token, dtype=torch.int64), pos // self.block_size]
+        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
         meta = AttentionMetadata(
-            slot_mapping=(blocks * self.block_size + pos % self.block_size).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             cu_query_lens=torch.tensor(cu_query_lens, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         extra = {} if features is None else {"features": features}
-        hidden = self.model(ids, pos.to(dev), self.kv_caches, meta, **extra)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
         rows = hidden
         if len(logit_rows) != hidden.shape[0]:
             rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]

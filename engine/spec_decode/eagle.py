@@ -5,8 +5,9 @@ hidden state at j. Before the target's forward, the head feeds every position fr
 end ``valid`` up to C (the target's computed tokens, whose features earlier forwards produced),
 then drafts: d1 from h_C, d2 from (d1, h_C) at C + 1, and so on. Invariants per sequence:
 
-- the head's KV is valid for positions < ``valid``; ``valid`` <= C + 1 after every commit, and
-  a block is registered for prefix caching only once the head's KV in it is valid too;
+- the head's KV is valid for positions < ``valid`` (computed from the target's features, never
+  from the head's own: accepted drafts are fed again); a block is registered for prefix caching
+  only once the head's KV in it is valid too;
 - ``features`` holds the target's features for positions valid - 1 .. C - 1 (what the next
   step feeds), taken from the step that computed them; a feature no forward produced (a
   prefix-cache hit's last position, position -1) is zeros.
@@ -175,12 +176,10 @@ class EagleProposer:
         state = self._states.get(seq_id)
         if written is None:
             return None if state is None else state.valid
-        base, fed = written
-        valid = base
-        for draft, token in zip(fed, new_token_ids, strict=False):
-            if draft != token:
-                break
-            valid += 1
+        # The drafts' KV (computed from the head's own h) is not kept even where accepted:
+        # the head was trained on KV from the target's features, so the next step feeds those
+        # positions again with the real ones.
+        valid = written[0]
         first = target.first_position  # <= valid - 1: the step computed from there
         keep = target.hidden[valid - 1 - first : target.num_computed - first]
         self._states[seq_id] = _State(valid, valid - 1, keep.clone())
