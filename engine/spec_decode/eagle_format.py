@@ -27,29 +27,13 @@ ARCHITECTURE = "eagle1"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
-CONFIG_FIELDS = (
-    "architecture",
-    "hidden_size",
-    "draft_vocab_size",
-    "target_vocab_size",
-    "target_model",
-    "layer_config",
-)
+CONFIG_FIELDS = ("architecture", "hidden_size", "draft_vocab_size", "target_vocab_size",
+                 "target_model", "layer_config")  # fmt: skip
 LAYER_CONFIG_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "max_position_embeddings",
-    "hidden_act",
-    "model_type",
-    "attention_bias",
-    "mlp_bias",
-)
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act",
+    "model_type", "attention_bias", "mlp_bias",
+)  # fmt: skip
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
