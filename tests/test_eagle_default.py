@@ -1,0 +1,61 @@
+"""The EAGLE head shipped for the default model: greedy output with it equals greedy output
+without speculation, alone and in a batch, through chunked prefill, preemption, prefix-cache
+hits, n > 1 and stop strings; and it drafts well enough to be accepted."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits and their colors.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+EAGLE = {"method": "eagle", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = LLM(num_kv_blocks=256)
+    return {
+        "alone": [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS],
+        "n2-stop": llm.generate(
+            PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"]),
+            use_tqdm=False,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_kv_blocks=256),
+        dict(num_kv_blocks=256, max_num_batched_tokens=8),  # chunked prefill
+        dict(num_kv_blocks=10, max_num_batched_tokens=64),  # forced preemption
+    ],
+    ids=["batch", "chunked", "preempt"],
+)
+def test_shipped_head_keeps_greedy_output(plain, kwargs):
+    llm = LLM(speculative_config=EAGLE, **kwargs)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain["alone"]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
+    if kwargs["num_kv_blocks"] == 10:
+        assert stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_shipped_head_with_prefix_hits_n_and_stop_strings(plain):
+    llm = LLM(num_kv_blocks=256, speculative_config=EAGLE)
+    params = SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"])
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [[c.text for c in o.outputs] for o in outs] == [
+            [c.text for c in o.outputs] for o in plain["n2-stop"]
+        ]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_prefix_cache_hit_tokens > 0 and stats.num_accepted_tokens > 0
