@@ -13,6 +13,9 @@ PROMPTS = [
     "List three fruits and their colors.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+N2_STOP = SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"])
+SHARED = "You are a helpful assistant. Answer briefly, clearly and without repeating yourself. "
+
 EAGLE = {"method": "eagle", "num_speculative_tokens": 4}
 
 
@@ -21,10 +24,7 @@ def plain():
     llm = LLM(num_kv_blocks=256)
     return {
         "alone": [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS],
-        "n2-stop": llm.generate(
-            PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"]),
-            use_tqdm=False,
-        ),
+        "n2-stop": llm.generate([SHARED + p for p in PROMPTS], N2_STOP, use_tqdm=False),
     }  # fmt: skip
 
 
@@ -51,9 +51,9 @@ def test_shipped_head_keeps_greedy_output(plain, kwargs):
 @pytest.mark.slow
 def test_shipped_head_with_prefix_hits_n_and_stop_strings(plain):
     llm = LLM(num_kv_blocks=256, speculative_config=EAGLE)
-    params = SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"])
+    params = N2_STOP
     for _ in range(2):  # the second round hits the prefix cache
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate([SHARED + p for p in PROMPTS], params, use_tqdm=False)
         assert [[c.text for c in o.outputs] for o in outs] == [
             [c.text for c in o.outputs] for o in plain["n2-stop"]
         ]
