@@ -1,10 +1,7 @@
 """Per-step KV bookkeeping cost of speculative decoding for a full batch of running sequences.
 
 Each step, for every sequence: reserve 1 + k slots (append), build their slot ids, roll back the
-0..k rejected ones (truncate) and commit the accepted tokens - what the scheduler, model runner and
-engine ask of memory/ per step. Prints a table and writes JSON to --output-dir.
-
-    python -m benchmarks.block_manager [--num-seqs 256] [--steps 300] [--output-dir DIR]
+0..k rejected ones (truncate) and commit the accepted tokens: what a step asks of memory/.
 """
 
 import argparse
@@ -12,7 +9,7 @@ import platform
 import random
 import time
 
-from benchmarks import output, report
+from benchmarks import output
 from benchmarks.timing import percentile
 from memory import BlockManager
 
@@ -71,14 +68,13 @@ def measure(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = output.parser(__doc__, model=False)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--lookahead", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default="benchmarks/results")
     return parser
 
 
@@ -91,8 +87,7 @@ def main() -> None:
         "python": platform.python_version(),
         "results": rows,
     }
-    output.save(payload, args.output_dir, "block_manager")
-    print(report.section(payload, "block_manager.json"))
+    output.finish(payload, args.output_dir, "block_manager")
 
 
 if __name__ == "__main__":

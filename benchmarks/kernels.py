@@ -1,19 +1,13 @@
 """Paged-attention kernel benchmark: Triton vs xFormers vs the PyTorch reference (gather + SDPA).
 
-CUDA: decode (span 1) and verification (span 5) attention for batch {1, 8, 64, 256} x context
-{512, 4096, 16384} (every sequence at that context), bf16, 32 query / 8 KV heads, head dim 128,
-block size 16, shuffled block tables. Each backend is checked against the reference once, warmed
-up, then timed with CUDA events, the L2 cache flushed before every call; the median is reported.
-GB/s counts the K/V bytes the spans must read; "of copy" divides it by the device copy bandwidth
-measured at the start (a 1 GiB device-to-device copy, read + write bytes). Where the automatic
-split-KV path kicks in, a forced single-pass Triton row shows what it buys. Combinations that do
-not fit in free memory are skipped.
+CUDA (``gpu_check.sh``): spans 1 and 5, batch {1, 8, 64, 256} x context {512, 4096, 16384}, bf16,
+32 query / 8 KV heads, head dim 128, block 16, shuffled block tables; each backend checked against
+the reference, then the median of CUDA-event timings with the L2 flushed before each call. GB/s
+counts the K/V bytes read; "of copy" divides by a 1 GiB device copy's bandwidth. Where split-KV
+kicks in, a forced single-pass Triton row shows what it buys; cases that do not fit are skipped.
 
-CPU (no CUDA): the C++ kernel (backend "cpu", the CPU serving path) against the torch backend
-(gather + SDPA), on the shape the engine serves there (SmolLM2-135M: 9 query / 3 KV heads, head
-dim 64, block 16, fp32, batch 64, contexts uniform in 100..1000), per span length.
-
-    python -m benchmarks.kernels --output-dir results/
+CPU: the C++ kernel (backend "cpu") against gather + SDPA ("torch") on the default model's shape
+(9 query / 3 KV heads, head dim 64, block 16, fp32), batch 64, contexts uniform in 100..1000.
 """
 
 import argparse
@@ -24,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 import kernels
-from benchmarks import output, report
-from benchmarks.timing import percentile, time_calls, time_cuda_events
+from benchmarks import output
+from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list
 from kernels import reference
 from kernels.testing import PagedProblem, make_paged_problem
@@ -40,8 +34,19 @@ def kv_bytes(p: PagedProblem) -> int:
 
 
 def time_cuda(fn: Callable[[], object], iters: int, warmup: int, flush: torch.Tensor) -> float:
-    """Median seconds per call, each call timed alone after overwriting the L2 cache."""
-    return percentile(time_cuda_events(fn, iters, warmup, flush), 50)
+    """Median seconds per call by CUDA events, each call timed alone after overwriting the L2."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return percentile(times, 50)
 
 
 def copy_bandwidth(flush: torch.Tensor) -> float:
@@ -89,7 +94,7 @@ def run_cuda(args: argparse.Namespace) -> dict:
         "rows": [],
         "skipped": [],
     }
-    for span, batch, context in itertools.product(args.spans, args.batches, args.contexts):
+    for span, batch, context in itertools.product(args.spans, (1, 8, 64, 256), (512, 4096, 16384)):
         case = {"span": span, "batch": batch, "context": context}
         cache_bytes = 2 * (batch * math.ceil(context / block_size) + 2) * block_size * kv_heads
         cache_bytes *= head_dim * 2
@@ -177,12 +182,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ints = lambda name: lambda text: parse_int_list(text, name)  # noqa: E731
-    parser.add_argument("--output-dir", default=".")
-    parser.add_argument("--batches", type=ints("batches"), default=[1, 8, 64, 256])
-    parser.add_argument("--contexts", type=ints("contexts"), default=[512, 4096, 16384])
-    parser.add_argument("--spans", type=ints("spans"), default=[1, 5])
+    parser = output.parser(__doc__, model=False, output_dir=".")
+    parser.add_argument("--spans", type=lambda t: parse_int_list(t, "spans"), default=[1, 5])
     parser.add_argument("--iters", type=int, default=20)
     return parser
 
@@ -190,8 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     result = run_cuda(args) if torch.cuda.is_available() else run_cpu(args)
-    output.save(result, args.output_dir, "kernels")
-    print(report.section(result, "kernels.json"))
+    output.finish(result, args.output_dir, "kernels")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
 """The model's linear layers over one step: pagedspec's ``Linear`` against plain ``F.linear``.
 
 One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head,
-each with its own weight (as in a real step, the weights stream from memory rather than sit in
-cache). ``F.linear`` is what HF transformers calls; ``Linear`` (engine/models/layers.py) splits
-the weight's rows across the CPU threads for 1-2 rows and runs the C++ kernel of
-kernels/csrc/cpu_linear.cpp on a packed weight for more. The two are timed alternately,
-``--repeats`` times each, and the median is reported with the weight bandwidth and the FLOP rate
-it implies. Random weights with the shapes of the default model (SmolLM2-135M), of --model or
-of --model-config.
-
-    python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]
+each with its own weight, so the weights stream from memory as in a real step. ``F.linear`` is
+what HF transformers calls; ``Linear`` (engine/models/layers.py) splits the weight's rows across
+threads for 1-2 rows and runs the packed C++ GEMM (kernels/csrc/cpu_linear.cpp) for more. The two
+alternate, --repeats times each; medians, with the weight bandwidth and FLOP rate they imply.
+Random weights with the shapes of --model (default: SmolLM2-135M).
 """
 
 import argparse
@@ -17,7 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks import output, report
+from benchmarks import output
 from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list, resolve_model
 
@@ -27,12 +23,10 @@ from engine.models.layers import Linear
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
+    parser = output.parser(__doc__, model=False)
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
-    parser.add_argument("--model-config", default=None, help="a benchmarks/model_configs name")
+    parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output-dir", default="benchmarks/results")
     return parser
 
 
@@ -40,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     rows_list = parse_int_list(args.rows, "rows")
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {args.repeats}")
-    spec = resolve_model(args.model, "dummy" if args.model_config else "auto", args.model_config)
+    spec = resolve_model(args.model, "auto", None)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = get_model_class(spec.config)(spec.config).eval()
@@ -90,8 +84,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "results": results,
     }
-    output.save(payload, args.output_dir, "linear")
-    print(report.section(payload, "linear.json"))
+    output.finish(payload, args.output_dir, "linear")
     return payload
 
 

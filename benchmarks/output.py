@@ -1,6 +1,7 @@
-"""What a benchmark writes: its JSON, with the machine and the command that measured it, and
-its plot."""
+"""What the benchmarks share around a run: their common flags, and what they write (their JSON,
+with the machine and the command that measured it, their plot and their RESULTS.md section)."""
 
+import argparse
 import datetime
 import json
 import os
@@ -11,6 +12,19 @@ import sys
 from pathlib import Path
 
 import torch
+
+
+def parser(doc: str, model: bool = True, output_dir: str = "benchmarks/results"):
+    """An argument parser with --output-dir and, with ``model``, --model, --dtype, --device and
+    --seed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--output-dir", default=output_dir)
+    if model:
+        parser.add_argument("--model", default=None, help="HF directory (default: SmolLM2)")
+        parser.add_argument("--dtype", default="auto")
+        parser.add_argument("--device", default="auto")
+        parser.add_argument("--seed", type=int, default=0)
+    return parser
 
 
 def machine_info(device: torch.device, module: str) -> dict:
@@ -24,24 +38,18 @@ def machine_info(device: torch.device, module: str) -> dict:
         cpu = platform.processor() or platform.machine()
     try:
         git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = (
-            subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip() or None
-        )
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "git_commit": commit,
+        "git_commit": commit or None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
-    }
+    }  # fmt: skip
 
 
 def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
@@ -54,6 +62,14 @@ def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
         plot(payload, out_dir / payload["plot"])
     (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out_dir / tag}.json")
+
+
+def finish(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
+    """``save``, then print the payload's targets and RESULTS.md section."""
+    from benchmarks import report
+
+    save(payload, out_dir, tag, plot)
+    print(report.section(payload, f"{tag}.json"))
 
 
 def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, log: bool) -> None:

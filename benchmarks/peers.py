@@ -1,16 +1,12 @@
-"""HF transformers peers, run on the same workload and the same weights as pagedspec.
+"""HF transformers peers, on the same workload and weights as pagedspec, timed like it (from
+the moment the whole workload was submitted, each token's time recorded).
 
 - ``hf-static``: ``model.generate`` over static, left-padded batches of ``batch_size`` requests
-  taken in order. A batch runs until its longest requested output (``min_new_tokens`` equal to
-  ``max_new_tokens``, so EOS cannot end it early); only each request's own requested tokens count
-  as useful output.
-- ``hf-batch``: transformers' continuous batching (the paged manager behind
-  ``model.generate_batch``), at most ``batch_size`` requests per step and the same token budget
-  per step as pagedspec. The manager is driven directly because ``generate_batch`` takes one
-  ``max_new_tokens`` for all requests and the workload gives each request its own length.
-
-Both record when every token came out, so TTFT and TPOT are measured the same way as for
-pagedspec: from the moment the whole workload was submitted.
+  in order, each batch run to its longest requested output (EOS cannot end it early); only each
+  request's own tokens count.
+- ``hf-batch``: transformers' paged continuous batching (the manager behind
+  ``generate_batch``, driven directly so each request gets its own length), at most
+  ``batch_size`` requests and MAX_BATCH_TOKENS (as pagedspec's default) per step.
 """
 
 import math
@@ -25,14 +21,13 @@ from benchmarks.timing import RequestTiming
 from benchmarks.workload import BenchRequest
 
 PEERS = ("hf-static", "hf-batch")
+MAX_BATCH_TOKENS = 2048
 
 
 def load_hf_model(
     path: str | None, config, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> AutoModelForCausalLM:
-    """The HF model for the peers: ``path``'s weights (a HF directory or a .gguf file), or
-    (``path`` None) random weights built from ``config`` on ``device`` — with ignore_eos,
-    throughput does not depend on their values."""
+    """``path``'s weights (a HF directory or .gguf), or (None) random ones from ``config``."""
     if path is not None:
         folder, gguf = os.path.split(path) if path.endswith(".gguf") else (path, None)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
@@ -103,9 +98,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
 
 
 @torch.inference_mode()
-def run_hf_batch(
-    model, requests: list[BenchRequest], batch_size: int, max_batch_tokens: int
-) -> list[RequestTiming]:
+def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
     """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
     longest = max(len(r.prompt_ids) + r.output_len for r in requests)
     page = 256
@@ -113,7 +106,7 @@ def run_hf_batch(
         page_size=page,
         # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
         num_blocks=batch_size * (math.ceil(longest / page) + 1),
-        max_batch_tokens=max_batch_tokens,
+        max_batch_tokens=MAX_BATCH_TOKENS,
         max_requests_per_batch=batch_size,
     )
     gen_config = GenerationConfig(
@@ -155,12 +148,9 @@ def run_hf_batch(
     return timings
 
 
-def run_peer(
-    name: str, model, requests: list[BenchRequest], batch_size: int, max_batch_tokens: int
-) -> list[RequestTiming]:
+def run_peer(name: str, model, requests: list[BenchRequest], batch_size: int) -> list:
     """``name``'s timings on ``requests``, from the moment they were all submitted."""
-    if name == "hf-static":
-        return run_hf_static(model, requests, batch_size)
-    if name == "hf-batch":
-        return run_hf_batch(model, requests, batch_size, max_batch_tokens)
-    raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
+    if name not in PEERS:
+        raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
+    run = run_hf_static if name == "hf-static" else run_hf_batch
+    return run(model, requests, batch_size)

@@ -1,5 +1,6 @@
 """Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote: every number in it
-comes from those files, and every PASS/MISS is computed from them here.
+comes from those files, and every PASS/MISS is computed from them here (this module owns the
+targets).
 
     python -m benchmarks.report [--results-dir benchmarks/results] [--output benchmarks/RESULTS.md]
 """
@@ -12,10 +13,14 @@ from pathlib import Path
 
 # Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
 THROUGHPUT_TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
-# Speculation targets on the development CPU. Grounded workload: the best ngram k against no
-# speculation and against HF's best prompt-lookup k; the sweep's largest batch: the engine default
-# against no speculation.
+# Speculation (grounded workload: the best ngram k against no speculation and against HF's best
+# prompt-lookup k; the sweeps' largest batch: the engine default against no speculation).
 SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
+# Issue 14's EAGLE targets, batch 1 on held-out chat: tokens per verification (k=4, greedy),
+# speedup greedy and at temperature 0.8; batches 16 and 64 reuse SPEC_LARGE_BATCH.
+EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
+EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
+    "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
 
 class _Cells(string.Formatter):
@@ -33,18 +38,28 @@ class _Cells(string.Formatter):
         return format(value, spec[:-1]) + "x" if spec.endswith("fx") else format(value, spec)
 
 
+class _Empty(dict):
+    """A row's missing figures: every key is None, so its cells render empty."""
+
+    def __missing__(self, key):
+        return None
+
+
 def _row(template: str, *args: object, **kwargs: object) -> str:
     return "| " + _Cells().format(template, *args, **kwargs) + " |"
 
 
-def _table(header: str, rows: list[str]) -> list[str]:
-    """A markdown table; ``header`` holds the column names separated by " | "."""
-    return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1), *rows]
+def _table(header: str, template: str, rows: list[dict]) -> list[str]:
+    """A markdown table: ``header``'s columns are separated by " | ", each row formats
+    ``template`` with a dict's items."""
+    head = [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1)]
+    return head + [_row(template, **r) for r in rows]
 
 
-def _section(title: str, notes: list[str], header: str, rows: list[str]) -> list[str]:
+def _section(title: str, notes: list[str], header: str, template: str, rows: list[dict]):
     """A section of the page: its title, notes (a bulleted list) and table."""
-    return [f"## {title}", "", *notes, *([""] if notes else []), *_table(header, rows), ""]
+    notes = [*notes, ""] if notes else []
+    return [f"## {title}", "", *notes, *_table(header, template, rows), ""]
 
 
 def _machine(p: dict) -> list[str]:
@@ -61,43 +76,36 @@ def _machine(p: dict) -> list[str]:
 
 def render_throughput(p: dict) -> list[str]:
     model, rates, cfg = p["model"], p["roofline"], p["config"]
-    weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
-    template = (
-        "{b} | {n} | {s[output_tokens_per_s]:.1f} | {s[total_tokens_per_s]:.1f} | "
-        "{s[requests_per_s]:.2f} | {s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
-        "{s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | {ratio:.2f} | {ceiling:.0f} | {share:.1%}"
-    )
     rows = []
     for r in p["results"]:
         for n, s in r["systems"].items():
-            if "error" in s:
-                error = "{} | {} | unavailable: {} |  |  |  |  |  |  | "
-                rows.append(_row(error, r["batch_size"], n, s["error"]))
-                continue
-            ours = n == "pagedspec"
-            ceiling = {"ceiling": r["ceiling_tokens_per_s"], "share": r["roofline_fraction"]}
-            row = {"b": r["batch_size"], "n": n, "s": s, "ratio": r["ratios"].get(n)}
-            rows.append(_row(template, **row, **(ceiling if ours else {})))
+            row = {"b": r["batch_size"], "n": n, "s": s, "r": r["ratios"].get(n)}
+            if n == "pagedspec":
+                row |= {"c": r["ceiling_tokens_per_s"], "f": r["roofline_fraction"]}
+            if "error" in s:  # a peer that could not run is reported, not faked
+                row |= {"s": _Empty(), "error": f"unavailable: {s['error']}"}
+            rows.append(row)
+    template = "{b} | {n} | {error}{s[output_tokens_per_s]:.1f} | {s[total_tokens_per_s]:.1f} | "
+    template += "{s[requests_per_s]:.2f} | {s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
+    template += "{s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | {r:.2f} | {c:.0f} | {f:.1%}"
     used = [(r["batch_size"], r["systems"]["pagedspec"]) for r in p["results"]]
-    return [
-        f"## Throughput: {model['name']} ({model['dtype']}, {weights} weights)",
-        "",
+    weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
+    notes = [
         *_machine(p),
         f"- workload: per batch size B, {cfg['waves']} x B requests submitted at once, "
         f"input {cfg['input_len']} tokens, output {cfg['output_len']} tokens (uniform, seed "
-        f"{cfg['seed']}), greedy, ignore_eos; speculation: {cfg['speculative_method'] or 'off'}",
+        f"{cfg['seed']}), greedy, ignore_eos",
         f"- each system's fastest of {cfg.get('repeats', 1)} timed runs (the systems take turns; "
         "pagedspec from a fresh engine each run, so no run hits the prefix cache)",
         f"- weights: {p['weights_note']}",
         f"- measured ceilings: copy {rates['bandwidth_gbs']:.1f} GB/s, {rates['dtype']} GEMM "
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
         f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
-        "",
-        *_table(
-            "B | system | out tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-            "| pagedspec / peer | decode ceiling tok/s | of ceiling",
-            rows,
-        ),
+    ]
+    header = "B | system | out tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+    header += "| pagedspec / peer | decode ceiling tok/s | of ceiling"
+    title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
+    return _section(title, notes, header, template, rows)[:-1] + [
         "",
         "pagedspec peak KV blocks used / allocated: "
         + ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
@@ -111,70 +119,63 @@ def render_throughput(p: dict) -> list[str]:
 
 
 def render_latency(p: dict) -> list[str]:
-    cfg = p["config"]
-    q = " | ".join(
-        f"{{{key}[p50]:ms}} / {{{key}[p90]:ms}} / {{{key}[p99]:ms}}"
-        for key in ("ttft_s", "tpot_s", "batch_latency_s")
-    )
-    rows = [
-        _row(f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}", **r)
-        for r in p["results"]
-    ]
+    cfg, keys = p["config"], ("ttft_s", "tpot_s", "batch_latency_s")
+    q = " | ".join(f"{{{k}[p50]:ms}} / {{{k}[p90]:ms}} / {{{k}[p99]:ms}}" for k in keys)
     notes = [
         *_machine(p),
         f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
         f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
     ]
     header = "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance"
-    return _section(f"Latency: {p['model']}", notes, header, rows)
+    template = f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}"
+    return _section(f"Latency: {p['model']}", notes, header, template, p["results"])
 
 
 def render_spec_decode(p: dict) -> list[str]:
-    cfg, rows = p["config"], []
-    template = (
-        "{w} | {system} | {label} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
-        "{acc:.0%} | {tokens_per_round:.2f} | {r[same_tokens_as_reference]:.0%}"
-    )
+    cfg, rows, lines = p["config"], [], [f"## Speculative decoding: {p['model']}", "", *_machine(p)]
     for w, systems in p["workloads"].items():
         for system, runs in systems.items():
             ours = system == "pagedspec"
             for k, r in runs.items():
                 label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
-                rows.append(_row(
-                    template, w=w, r=r, system="pagedspec" if ours else "HF generate",
-                    label="no speculation" if k == "none" else label,
-                    speedup=r["tokens_per_s"] / runs["none"]["tokens_per_s"],
-                    acc=r.get("acceptance_rate"), tokens_per_round=r.get("mean_accepted_length"),
-                ))  # fmt: skip
-    lines = [
-        f"## Speculative decoding: {p['model']}",
-        "",
-        *_machine(p),
-        f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
-        f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
-        "whose output equals pagedspec's without speculation",
-        "",
-        *_table(
-            "workload | system | speculation | tok/s | speedup | acceptance | tokens/round "
-            "| same tokens",
-            rows,
-        ),
-    ]
+                rows.append({"w": w, "r": r, "system": "pagedspec" if ours else "HF generate",
+                    "label": "no speculation" if k == "none" else label,
+                    "speedup": r["tokens_per_s"] / runs["none"]["tokens_per_s"]})  # fmt: skip
+    if rows:
+        lines += [
+            f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
+            f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
+            "whose output equals pagedspec's without speculation",
+            "",
+            *_table(
+                "workload | system | speculation | tok/s | speedup | acceptance | tokens/round "
+                "| same tokens",
+                "{w} | {system} | {label} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
+                "{r[acceptance_rate]:.0%} | {r[mean_accepted_length]:.2f} | "
+                "{r[same_tokens_as_reference]:.0%}",
+                [r | {"r": _Empty(r["r"])} for r in rows],
+            ),
+        ]
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
-    return [*lines, "", f"![speedup vs k]({{results}}/{p['plot']})", ""]
+    lines += _render_eagle(p["eagle"]) if p.get("eagle") else []
+    return [*lines, "", *([f"![speedup vs k]({{results}}/{p['plot']})", ""] if rows else [])]
+
+
+def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
+    """Per batch size: both configs' rows and the second's tokens/s over the first's."""
+    out = []
+    for b, a in rows[names[0]].items():
+        c = _Empty(rows[names[1]].get(b, {}))
+        ratio = c["tokens_per_s"] and c["tokens_per_s"] / a["tokens_per_s"]
+        out.append({"b": b, "a": a, "c": c, "ratio": ratio})
+    return out
 
 
 def _render_sweep(workload: str, sweep: dict) -> list[str]:
-    template = "{b} | {off:.1f} | {forced:.1f} | {ratio:.2f} | {acc:.0%} | {default:.1f}"
-    rows = []
-    for b, off in sweep["rows"]["off"].items():
-        forced, default = sweep["rows"]["forced"][b], sweep["rows"]["default"].get(b, {})
-        rows.append(_row(
-            template, b=b, off=off["tokens_per_s"], forced=forced["tokens_per_s"],
-            ratio=forced["tokens_per_s"] / off["tokens_per_s"], acc=forced["acceptance_rate"],
-            default=default.get("tokens_per_s"),
-        ))  # fmt: skip
+    rows = _sweep_rows(sweep["rows"], ("off", "forced"))
+    for r in rows:
+        r["default"] = sweep["rows"]["default"].get(r["b"], {}).get("tokens_per_s")
     crossover, repeats = sweep["crossover_batch_size"], sweep.get("repeats")
     return [
         "",
@@ -184,7 +185,12 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         "or waiting sequences)"
         + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
         "",
-        *_table("B | off tok/s | forced tok/s | forced / off | acceptance | default tok/s", rows),
+        *_table(
+            "B | off tok/s | forced tok/s | forced / off | acceptance | default tok/s",
+            "{b} | {a[tokens_per_s]:.1f} | {c[tokens_per_s]:.1f} | {ratio:.2f} | "
+            "{c[acceptance_rate]:.0%} | {default:.1f}",
+            rows,
+        ),
         "",
         f"Measured crossover: forced speculation is first slower than none at B={crossover}."
         if crossover
@@ -193,23 +199,64 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
     ]
 
 
+def _render_eagle(e: dict) -> list[str]:
+    runs, cost, sweep = e["runs"], e["draft_cost"], e["batch_sweep"]
+    reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
+    rows = [
+        {"label": EAGLE_LABELS[name], "r": _Empty(r),
+         "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+         "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
+        for name, r in runs.items()
+    ]  # fmt: skip
+    return [
+        "",
+        f"EAGLE, held-out open chat prompts (`benchmarks/data/chat_heldout.jsonl`), head: "
+        f"{e['head']}. Batch 1, k={e['k']}, up to {e['max_tokens']} tokens (stop at EOS), "
+        f"{e['num_prompts']} prompts; speedup against no speculation at the same temperature; "
+        "'same tokens' as above (greedy only).",
+        "",
+        *_table(
+            "speculation | temperature | tok/s | speedup | acceptance | tokens/verification "
+            "| acceptance by draft position | same tokens",
+            "{label} | {r[temperature]} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
+            "{r[acceptance_rate]:.0%} | {r[mean_accepted_length]:.2f} | {by_position} | "
+            "{r[same_tokens_as_reference]:.0%}",
+            rows,
+        ),
+        "",
+        f"Draft cost: {cost['draft_s_per_token'] * 1e3:.2f} ms per draft token (the median "
+        f"`propose` call that drafts k tokens, / k) against {cost['target_step_s'] * 1e3:.2f} ms "
+        "per target decode step (the median `ModelRunner.forward` without speculation): "
+        f"{cost['share']:.1%} of a target step.",
+        "",
+        f"EAGLE batch sweep: up to {sweep['max_tokens']} tokens, the engine default (method "
+        f"eagle, speculation off at >= {sweep['default_disable_batch_size']} running or waiting "
+        f"sequences) vs no speculation; best of {sweep['repeats']} runs each.",
+        "",
+        *_table(
+            "B | off tok/s | default tok/s | default / off | acceptance",
+            "{b} | {a[tokens_per_s]:.1f} | {c[tokens_per_s]:.1f} | {ratio:.2f} | "
+            "{c[acceptance_rate]:.0%}",
+            _sweep_rows(sweep["rows"], ("off", "default")),
+        ),
+    ]
+
+
 def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
-    template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
-    rows = [_row(template, on="on" if r["prefix_caching"] else "off", r=r) for r in p["results"]]
+    rows = [{"on": "on" if r["prefix_caching"] else "off", "r": r} for r in p["results"]]
     notes = [
         "- config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + f"; python {p['python']}",
         f"- raw numbers: [{p['_file']}]({{results}}/{p['_file']})",
         f"- µs per step for {cfg['num_seqs']} sequences, 1 + {cfg['lookahead']} slots each, "
         f"block size {cfg['block_size']} (append, slot ids, truncate, commit)",
     ]
-    header = "prefix cache | " + " | ".join(us)
-    return _section("KV block manager bookkeeping", notes, header, rows)
+    template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
+    return _section("KV block manager bookkeeping", notes, "prefix cache | " + " | ".join(us),
+                    template, rows)  # fmt: skip
 
 
 def render_linear(p: dict) -> list[str]:
-    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
-    rows = [_row(template + " | {linear_gflops:.0f}", **r) for r in p["results"]]
     notes = [
         *_machine(p),
         f"- one pass = every projection of every layer plus the LM head "
@@ -218,14 +265,14 @@ def render_linear(p: dict) -> list[str]:
     ]
     title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
     header = "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s"
-    return _section(f"{title} ({p['model']})", notes, header, rows)
+    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
+    return _section(f"{title} ({p['model']})", notes, header, template + " | {linear_gflops:.0f}",
+                    p["results"])  # fmt: skip
 
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
         return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
-    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
-    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
     notes = [
         *_machine(p),
         f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
@@ -234,41 +281,39 @@ def render_kernels(p: dict) -> list[str]:
     ]
     title = "Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)"
     header = "span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch"
-    return _section(title, notes, header, [_row(template, **r) for r in p["rows"]])
+    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
+    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
+    return _section(title, notes, header, template, p["rows"])
 
 
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
-    rows = [_row("{name} | {seconds:.0f} | {returncode} | `{command}`", **r) for r in p["runs"]]
     title = f"Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})"
-    return _section(title, [], "benchmark | seconds | exit | command", rows)
+    template = "{name} | {seconds:.0f} | {returncode} | `{command}`"
+    return _section(title, [], "benchmark | seconds | exit | command", template, p["runs"])
 
 
-RENDERERS = {
-    "throughput": render_throughput,
-    "latency": render_latency,
-    "spec_decode": render_spec_decode,
-    "block_manager": render_block_manager,
-    "linear": render_linear,
-    "kernels": render_kernels,
-    "run_all": render_run_all,
-}
+# benchmark name: its renderer, in the page's order.
+NAMES = ("throughput", "latency", "spec_decode", "block_manager", "linear", "kernels", "run_all")
+RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
 def targets(p: dict) -> list[dict]:
-    """The targets ``p``'s benchmark measured: name, value, threshold and whether it passed."""
-    found = []  # (name, value, threshold)
+    """The targets ``p``'s benchmark measured: name, value, threshold, unit, whether it passed."""
+    found = []  # (name, value, threshold[, unit, strictly above])
     if p["benchmark"] == "throughput":
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec vs {peer}"
                 found.append((name, ratios[b][peer], least))
-    grounded = p["workloads"].get("grounded") if p["benchmark"] == "spec_decode" else None
+    if p["benchmark"] != "spec_decode":
+        return _verdicts(found)
+    grounded = p["workloads"].get("grounded")
     if grounded:
         # The fastest k's tokens/s and its k.
-        best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")  # noqa: E731
+        best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")
         ours, k = best(grounded["pagedspec"])
         name = f"grounded: ngram (best k={k}) vs pagedspec without speculation"
         found.append((name, ours / grounded["pagedspec"]["none"]["tokens_per_s"], SPEC_VS_OURS))
@@ -278,19 +323,42 @@ def targets(p: dict) -> list[dict]:
             found.append((name, ours / hf, SPEC_VS_HF_LOOKUP))
     for w, sweep in (p.get("batch_sweep") or {}).items():
         name = f"{w}, batch {sweep['largest_batch_size']}: engine default ngram k={sweep['k']}"
-        name += " vs no speculation"
-        found.append((name, sweep["default_vs_off_at_largest"], SPEC_LARGE_BATCH))
-    return [{"name": n, "value": v, "threshold": t, "passed": v >= t} for n, v, t in found]
+        value = sweep["default_vs_off_at_largest"]
+        found.append((name + " vs no speculation", value, SPEC_LARGE_BATCH))
+    if p.get("eagle"):
+        e, tps = p["eagle"], {n: r["tokens_per_s"] for n, r in p["eagle"]["runs"].items()}
+        acc = {n: r.get("acceptance_rate") for n, r in e["runs"].items()}
+        found += [
+            (f"eagle: tokens per verification, k={e['k']}, greedy",
+             e["runs"]["eagle"].get("mean_accepted_length"), EAGLE_TOKENS_PER_ROUND, ""),
+            ("eagle: speedup vs no speculation, greedy", tps["eagle"] / tps["none"], EAGLE_SPEEDUP),
+            ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
+             EAGLE_SPEEDUP_SAMPLED),
+            ("eagle: acceptance at temperature 0.8, sampled / argmax drafts",
+             acc["eagle-t"] / acc["eagle-t-argmax"] if acc["eagle-t"] and acc["eagle-t-argmax"]
+             else None, 1.0, "x", True),
+        ]  # fmt: skip
+        for row in _sweep_rows(e["batch_sweep"]["rows"], ("off", "default")):
+            name = f"eagle, batch {row['b']}: engine default vs no speculation"
+            found.append((name, row["ratio"], SPEC_LARGE_BATCH))
+    return _verdicts(found)
+
+
+def _verdicts(found: list[tuple]) -> list[dict]:
+    out = []
+    for f in found:  # (name, value, threshold), then unit ("x") and strictly above (False)
+        name, value, threshold, unit, strict = (*f, *("x", False)[len(f) - 3 :])
+        passed = value is not None and (value > threshold if strict else value >= threshold)
+        out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
+                    "op": ">" if strict else ">=", "passed": passed})  # fmt: skip
+    return out
 
 
 def _targets_table(payloads: list[dict]) -> list[str]:
-    template = "{name} | {value:.2f}x | >= {threshold}x | **{verdict}**"
-    rows = [
-        _row(template, **t, verdict="PASS" if t["passed"] else "MISS")
-        for p in payloads
-        for t in targets(p)
-    ]
-    return ["## Targets", "", *_table("target | measured | threshold | ", rows), ""] if rows else []
+    rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
+    template = "{name} | {value:.2f}{unit} | {op} {threshold}{unit} | **{verdict}**"
+    table = _table("target | measured | threshold | ", template, rows)
+    return ["## Targets", "", *table, ""] if rows else []
 
 
 def section(payload: dict, file: str) -> str:
@@ -300,8 +368,7 @@ def section(payload: dict, file: str) -> str:
 
 
 def render(results_dir: Path, output: Path) -> str:
-    """RESULTS.md's text for the JSON files in ``results_dir``, with links relative to
-    ``output``'s folder."""
+    """RESULTS.md's text for the JSON files in ``results_dir``, links relative to ``output``."""
     payloads = []
     for path in sorted(results_dir.glob("*.json")):
         p = json.loads(path.read_text())
@@ -311,7 +378,7 @@ def render(results_dir: Path, output: Path) -> str:
             payloads.append(p)
     if not payloads:
         raise ValueError(f"no benchmark JSON files in {results_dir}")
-    payloads.sort(key=lambda p: list(RENDERERS).index(p["benchmark"]))
+    payloads.sort(key=lambda p: NAMES.index(p["benchmark"]))
     lines = [
         "# Benchmark results",
         "",

@@ -1,32 +1,23 @@
 """Offline throughput and latency: pagedspec against HF transformers peers, over batch sizes.
 
-Throughput (the default). For each batch size B (pagedspec's ``max_num_seqs``; the peers'
-batch): ``B * waves`` requests with seeded random prompt and output lengths, all submitted at
-once, greedy, ignore_eos. The requests of a smaller batch size are a prefix of the larger ones';
-every system gets the same token ids. One wave (the default) keeps the sweep short enough for a
-2-core CPU and a few-minute GPU check: B requests start together and the run ends as the batch
-drains. More waves (--waves 2) queue requests behind the running ones, so finished slots are
-refilled, which is where continuous batching gains over static batches. Per system and batch
-size: generated and total tokens/s, requests/s, TTFT and TPOT (median, p99) from submission; for
-pagedspec also peak KV blocks used, preemptions and speculation acceptance. The roofline column
-is the decode ceiling measured on this device (``benchmarks/roofline.py``); pagedspec's fraction
-of it counts prefill time as well.
+Throughput (the default). Per batch size B (pagedspec's ``max_num_seqs``, the peers' batch):
+B x --waves requests of seeded random prompt and output lengths, submitted at once, greedy,
+ignore_eos; a smaller B's requests are a prefix of a larger one's. One wave keeps a 2-core CPU
+sweep short; more waves queue requests behind the running ones, where continuous batching gains
+over static batches. Per system: generated and total tokens/s, requests/s, TTFT and TPOT (median,
+p99) from submission; pagedspec's peak KV blocks and preemptions, and its share of the decode
+ceiling measured on this device (``benchmarks/roofline.py``; the share counts prefill time too).
 
-Latency (--latency): pagedspec alone, without and with n-gram speculation. Each iteration
-submits B grounded chat prompts (``benchmarks/data/spec_prompts.jsonl``, taken in turn) at once
-and runs them to the end, each making exactly --output-len tokens; warm-up iterations first.
-TTFT, TPOT and whole-batch latency, p50 / p90 / p99 over the measured requests (iterations for
-the batch latency). Prefix caching is off so every iteration pays for its prefill.
-
-    python -m benchmarks.throughput [--batch-sizes 1,4,16] [--input-len 32:256]
-        [--output-len 32:128] [--peers hf-static,hf-batch | --no-peers] [--output-dir DIR]
-    python -m benchmarks.throughput --latency [--batch-sizes 1,4] [--iters 5]
+Latency (--latency): pagedspec alone, without and with ngram k=4. Each iteration submits B
+grounded chat prompts (taken in turn) at once, each making exactly --output-len tokens, after
+--warmup-iters untimed ones; TTFT, TPOT and whole-batch latency, p50 / p90 / p99. Prefix caching
+is off so every iteration pays for its prefill.
 """
 
 import argparse
 from dataclasses import asdict
 
-from benchmarks import output, peers, report, roofline, workload
+from benchmarks import output, peers, roofline, workload
 from benchmarks.timing import quantiles, run_engine, summarize, ttft_tpot
 from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
 
@@ -66,12 +57,6 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     load = peers.load_hf_model
     hf_model = load(spec.hf_path, spec.config, dtype, device, args.seed) if others else None
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
-    speculative = None
-    if args.speculative_method is not None:
-        speculative = {"method": args.speculative_method, "draft_model": args.draft_model}
-        speculative["num_speculative_tokens"] = args.num_speculative_tokens
-    options = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    options |= {"attention_backend": args.attention_backend, "speculative_config": speculative}
     results = []
     for b in batch_sizes:
         timed = requests[: b * args.waves]
@@ -80,14 +65,13 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
         # tokens: the prefill shapes, allocator pools and (ours) KV pages are then warm, as in
         # a server that has been running.
         warm = make_workload(b, input_len, (2, 2), spec, args.seed + 1)
-        k = args.num_speculative_tokens if speculative else 0
-        blocks = args.num_kv_blocks or kv_blocks_needed(timed + warm, b, k)
+        blocks = kv_blocks_needed(timed + warm, b, 0)
         # The systems take turns, --repeats rounds, and each keeps its fastest run (the least
         # disturbed by the rest of a shared machine); ours starts from a fresh engine each round
         # so that no round finds the prompts in the prefix cache.
         runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
-            engine = make_engine(spec, args, b, blocks, **options)
+            engine = make_engine(spec, args, b, blocks)
             run_engine(engine, warm)
             measured = run_engine(engine, timed)
             del engine
@@ -95,8 +79,8 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
-                    peers.run_peer(p, hf_model, warm, b, args.max_num_batched_tokens)
-                    timings = peers.run_peer(p, hf_model, timed, b, args.max_num_batched_tokens)
+                    peers.run_peer(p, hf_model, warm, b)
+                    timings = peers.run_peer(p, hf_model, timed, b)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
@@ -135,7 +119,7 @@ def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     prompts = workload.chat_prompts(spec.tokenizer, "grounded")
     output_len = workload.parse_range(args.output_len, "output_len")
     iterations = args.warmup_iters + args.iters
-    k, largest = args.num_speculative_tokens, max(batch_sizes)
+    k, largest = 4, max(batch_sizes)
     # Iteration i at batch size B takes the prompts B * i ... B * (i + 1) - 1, cycled.
     requests = {
         b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
@@ -188,8 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         "config": config,
     }
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
-    output.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
-    print(report.section(payload, f"{args.tag or kind}.json"))
+    output.finish(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
 
 
@@ -207,31 +190,20 @@ def plot(payload: dict, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = output.parser(__doc__)
     add = parser.add_argument
     add("--latency", action="store_true", help="measure latency (see above), not throughput")
-    add("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     add("--load-format", default="auto", choices=("auto", "dummy"))
     add("--model-config", help="with --load-format dummy: a benchmarks/model_configs name or path")
-    add("--dtype", default="auto")
-    add("--device", default="auto")
     add("--batch-sizes", default="1,2,4,8,16,32,64")
     add("--waves", type=int, default=1, help="requests per batch size = B x waves")
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--max-num-batched-tokens", type=int, default=2048)
-    add("--num-kv-blocks", type=int, default=None, help="default: all fit")
-    add("--attention-backend", default="auto")
-    add("--speculative-method", default=None, choices=("ngram", "draft"))
-    add("--num-speculative-tokens", type=int, default=4, help="also latency's ngram k")
-    add("--draft-model", default=None)
     add("--peers", default=",".join(peers.PEERS))
     add("--no-peers", action="store_true")
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
-    add("--seed", type=int, default=0)
-    add("--output-dir", default="benchmarks/results")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     return parser
 

@@ -42,21 +42,19 @@ def time_calls(
     return [call() for _ in range(warmup + iters)][warmup:]
 
 
-def time_cuda_events(
-    fn: Callable[[], object], iters: int, warmup: int, flush: torch.Tensor
-) -> list[float]:
-    """Seconds of each call by CUDA events, the L2 cache overwritten (``flush``) before each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True) -> list[float]:
+    """Wraps the method ``obj.name`` so that the wall seconds of each call for which
+    ``keep(*args)`` holds land in the list returned."""
+    fn, times = getattr(obj, name), []
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if keep(*args, **kwargs):
+            times.append(time.perf_counter() - start)
+        return out
+
+    setattr(obj, name, wrapper)
     return times
 
 
@@ -81,22 +79,19 @@ def ttft_tpot(timings: Sequence[RequestTiming]) -> tuple[list[float], list[float
 
 def summarize(timings: Sequence[RequestTiming], input_tokens: int) -> dict:
     """Throughput and latency figures of one system's run over a workload (seconds)."""
-    elapsed = max(t.last_token_s for t in timings)
-    out_tokens = sum(t.num_output_tokens for t in timings)
+    elapsed, out_tokens = (
+        max(t.last_token_s for t in timings),
+        sum(t.num_output_tokens for t in timings),
+    )
     ttft, tpot = ttft_tpot(timings)
     return {
-        "elapsed_s": elapsed,
-        "num_requests": len(timings),
-        "input_tokens": input_tokens,
-        "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / elapsed,
+        "elapsed_s": elapsed, "num_requests": len(timings), "input_tokens": input_tokens,
+        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + out_tokens) / elapsed,
         "requests_per_s": len(timings) / elapsed,
-        "ttft_median_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_median_s": percentile(tpot, 50),
-        "tpot_p99_s": percentile(tpot, 99),
-    }
+        "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_median_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,34 +102,41 @@ class EngineRun:
 
 
 def run_engine(
-    engine: LLMEngine, requests: Sequence, ignore_eos: bool = True, clock=time.perf_counter
+    engine: LLMEngine,
+    requests: Sequence,
+    ignore_eos: bool = True,
+    clock=time.perf_counter,
+    temperature: float = 0.0,
 ) -> EngineRun:
-    """Submit every request (``prompt_ids``, ``output_len``) at once, greedy, and step to the
-    end; per-request timings by ``clock``, tokens, and the engine's stats over the run."""
+    """Submit every request (``prompt_ids``, ``output_len``) at once and step to the end;
+    per-request timings by ``clock``, tokens, and the engine's stats over the run."""
     before = engine.get_stats()
     min_free, first, done = before.num_free_blocks, {}, {}
-    start = clock()
+    start, steps = clock(), 0
     for i, r in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=r.output_len, ignore_eos=ignore_eos
+        )
         engine.add_request(str(i), r.prompt_ids, params)
-    steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now, steps = clock() - start, steps + 1
         min_free = min(min_free, engine.get_stats().num_free_blocks)
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)
-            if tokens and out.request_id not in first:
-                first[out.request_id] = now
+            if tokens:
+                first.setdefault(out.request_id, now)
             if out.finished:
                 done[out.request_id] = (
                     RequestTiming(first[out.request_id], now, len(tokens)),
                     tokens,
                 )
     after = engine.get_stats()
-    drafts = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    rounds = after.num_verifications - before.num_verifications
+    drafts, accepted, rounds = (
+        getattr(after, k) - getattr(before, k)
+        for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
+    )
+    old = list(before.accepted_by_position) or [0] * len(after.accepted_by_position)
     stats = {
         "steps": steps,
         "num_kv_blocks": after.num_total_blocks,
@@ -143,6 +145,9 @@ def run_engine(
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
         "verifications": rounds,
+        "accepted_by_position": [
+            a - b for a, b in zip(after.accepted_by_position, old, strict=True)
+        ],
         "acceptance_rate": accepted / drafts if drafts else None,
         "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
     }
