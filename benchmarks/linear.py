@@ -88,9 +88,5 @@ def run(args: argparse.Namespace) -> dict:
     return payload
 
 
-def main() -> None:
-    run(build_parser().parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    run(build_parser().parse_args())

@@ -28,7 +28,6 @@ on all alike), after one warm-up pass; sweeps keep each configuration's fastest 
 import itertools
 import json
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -41,20 +40,14 @@ from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
 from engine import SpeculativeConfig
 from engine.llm import render_chat
 
-DEFAULT_DISABLE_BATCH_SIZE = next(
-    f.default for f in fields(SpeculativeConfig) if f.name == "disable_batch_size"
-)
+DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 2, 4, 0.8
 HELDOUT = Path(__file__).parent / "data" / "chat_heldout.jsonl"
 # name: (temperature, speculative_config) of the EAGLE part at batch 1; "none*" rows are the
 # references of their temperature.
-EAGLE_RUNS = {
-    "none": (0.0, None),
-    "eagle": (0.0, {}),
-    "none-t": (TEMPERATURE, None),
-    "eagle-t": (TEMPERATURE, {}),
-    "eagle-t-argmax": (TEMPERATURE, {"sample_drafts": False}),
-}
+T, ARGMAX = TEMPERATURE, {"sample_drafts": False}
+EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "none-t": (T, None), "eagle-t": (T, {}),
+              "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
 
 
 @torch.inference_mode()
@@ -66,9 +59,8 @@ def hf_generate(model, request: BenchRequest, k: int | None) -> tuple[float, lis
     )  # fmt: skip
     ids = torch.tensor([request.prompt_ids], device=model.device)
     start = time.perf_counter()
-    out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
-    )
+    mask = torch.ones_like(ids)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - start, out[0, len(request.prompt_ids) :].tolist(), {}
@@ -98,18 +90,12 @@ def take_turns(systems: dict, requests: list[BenchRequest]) -> dict[str, dict]:
         result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         stats = [r[2] for r in runs]
         if sum(s.get("draft_tokens", 0) for s in stats):
-            drafts, accepted, rounds = (
-                sum(s[key] for s in stats)
-                for key in ("draft_tokens", "accepted_tokens", "verifications")
-            )
-            by_position = [
-                sum(x) for x in zip(*(s["accepted_by_position"] for s in stats), strict=True)
-            ]
-            result |= {
-                "acceptance_rate": accepted / drafts,
-                "mean_accepted_length": (accepted + rounds) / rounds,
-                "acceptance_by_position": [a / rounds for a in by_position],
-            }
+            total = lambda key, stats=stats: sum(s[key] for s in stats)
+            accepted, rounds = total("accepted_tokens"), total("verifications")
+            by_position = map(sum, zip(*(s["accepted_by_position"] for s in stats), strict=True))
+            result |= {"acceptance_rate": accepted / total("draft_tokens"),
+                       "mean_accepted_length": (accepted + rounds) / rounds,
+                       "acceptance_by_position": [a / rounds for a in by_position]}  # fmt: skip
         results[name] = result | {"outputs": [r[1] for r in runs]}
     return results
 
@@ -127,10 +113,8 @@ def sweep(args, spec, prompts: list[list[int]], configs: dict) -> dict[str, dict
     """Output tokens/s per batch size of each config (name: (speculative_config, batch sizes)):
     the configs take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run."""
     sizes = sorted({b for _, bs in configs.values() for b in bs})
-    reqs = {
-        b: [BenchRequest(prompts[i % len(prompts)], args.sweep_max_tokens) for i in range(b)]
-        for b in sizes
-    }
+    n = args.sweep_max_tokens
+    reqs = {b: [BenchRequest(prompts[i % len(prompts)], n) for i in range(b)] for b in sizes}
     blocks = kv_blocks_needed(reqs[sizes[-1]], sizes[-1], SWEEP_K)
     engines = {
         name: workload.make_engine(spec, args, sizes[-1], blocks, enable_prefix_caching=False,
@@ -171,9 +155,8 @@ def run_ngram(args, spec) -> tuple[dict, dict]:
                                       speculative_config=config)  # fmt: skip
         hf = lambda r, k=k, model=model: hf_generate(model, r, k)
         for w, rs in requests.items():
-            for system, result in take_turns(
-                {"pagedspec": engine_call(engine), "hf": hf}, rs
-            ).items():
+            turns = take_turns({"pagedspec": engine_call(engine), "hf": hf}, rs)
+            for system, result in turns.items():
                 results[w][system]["none" if k is None else str(k)] = result
                 print(f"{w} {system} k={k}: {result['tokens_per_s']:.1f} tok/s", flush=True)
         del engine
@@ -220,9 +203,8 @@ def run_eagle(args, spec) -> dict:
             )  # fmt: skip
         systems[name] = engine_call(engines[key], temperature)
     target_s = clocked(engines[None].runner, "forward")
-    draft_s = clocked(
-        engines[()].spec.proposer, "propose", lambda s, ks, p: max(ks, default=0) == EAGLE_K
-    )
+    full = lambda scheduled, ks, params: max(ks, default=0) == EAGLE_K  # drafts k tokens
+    draft_s = clocked(engines[()].spec.proposer, "propose", full)
     runs = take_turns(systems, requests)
     same_tokens(runs, "none", ["eagle", "none"])  # greedy: lossless
     for name, r in runs.items():
@@ -252,14 +234,10 @@ def run(args) -> dict:
     if set(methods) - {"ngram", "eagle"}:
         raise ValueError(f"methods must be among ngram,eagle, got {args.methods!r}")
     device = workload.resolve_device(args.device, args.dtype)[0]
-    payload = {
-        "benchmark": "spec_decode",
-        "machine": output.machine_info(device, "benchmarks.spec_decode"),
-        "config": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "model": spec.name,
-        "workloads": {},
-        "batch_sweep": {},
-    }
+    config = {k: v for k, v in vars(args).items() if k != "output_dir"}
+    machine = output.machine_info(device, "benchmarks.spec_decode")
+    payload = {"benchmark": "spec_decode", "machine": machine, "config": config, "model": spec.name}
+    payload |= {"workloads": {}, "batch_sweep": {}}
     if "ngram" in methods:
         payload["workloads"], payload["batch_sweep"] = run_ngram(args, spec)
     if "eagle" in methods:

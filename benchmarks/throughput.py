@@ -38,37 +38,26 @@ def fastest(runs: list[dict]) -> dict:
     return best | {"output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in ok]}
 
 
-def peer_names(args) -> list[str]:
-    names = [] if args.no_peers else [p for p in args.peers.split(",") if p]
-    if set(names) - set(peers.PEERS):
-        raise ValueError(f"peers must be among {peers.PEERS}, got {names}")
-    return names
-
-
 def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     """The sweep over batch sizes, pagedspec and the peers taking turns at each."""
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
-    if args.waves < 1 or args.repeats < 1:
-        raise ValueError(f"waves and repeats must be >= 1, got {args.waves} and {args.repeats}")
-    others = peer_names(args)
+    others = args.peers
     rates, cost = roofline.measure(device, dtype), roofline.model_cost(spec.config, dtype)
-    load = peers.load_hf_model
-    hf_model = load(spec.hf_path, spec.config, dtype, device, args.seed) if others else None
+    if others:
+        hf_model = peers.load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
     results = []
     for b in batch_sizes:
         timed = requests[: b * args.waves]
         input_tokens = sum(len(r.prompt_ids) for r in timed)
         # Every system first serves B other requests of the same prompt lengths and 2 output
-        # tokens: the prefill shapes, allocator pools and (ours) KV pages are then warm, as in
-        # a server that has been running.
+        # tokens, so prefill shapes, allocator pools and our KV pages are warm, as in a server.
         warm = make_workload(b, input_len, (2, 2), spec, args.seed + 1)
         blocks = kv_blocks_needed(timed + warm, b, 0)
-        # The systems take turns, --repeats rounds, and each keeps its fastest run (the least
-        # disturbed by the rest of a shared machine); ours starts from a fresh engine each round
-        # so that no round finds the prompts in the prefix cache.
+        # The systems take turns, --repeats rounds, each keeping its fastest (least disturbed)
+        # run; ours from a fresh engine each round, so no round hits the prefix cache.
         runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
             engine = make_engine(spec, args, b, blocks)
@@ -89,22 +78,17 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
         ours = systems["pagedspec"]["output_tokens_per_s"]
         ceiling = roofline.decode_ceiling(b, cost, rates)
         ratios = {
-            p: ours / s["output_tokens_per_s"]
-            for p, s in systems.items()
-            if p != "pagedspec" and "error" not in s
+            p: ours / systems[p]["output_tokens_per_s"] for p in others if "error" not in systems[p]
         }
         row = {"batch_size": b, "num_requests": len(timed), "ceiling_tokens_per_s": ceiling}
-        results.append(
-            row | {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
-        )
+        row |= {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
+        results.append(row)
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
-    dummy = spec.load_format == "dummy"
+    same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
     return {
         "model": {"name": spec.name, "load_format": spec.load_format} | asdict(cost),
-        "weights_note": DUMMY_NOTE
-        if dummy
-        else f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})",
+        "weights_note": DUMMY_NOTE if spec.load_format == "dummy" else same,
         "roofline": asdict(rates),
         "results": results,
     }
@@ -112,24 +96,15 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
 
 def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     """No speculation and ngram speculation, each on one engine over every batch size."""
-    if args.iters < 1 or args.warmup_iters < 0:
-        raise ValueError(
-            f"iters must be >= 1 and warmup_iters >= 0: {args.iters}, {args.warmup_iters}"
-        )
     prompts = workload.chat_prompts(spec.tokenizer, "grounded")
     output_len = workload.parse_range(args.output_len, "output_len")
     iterations = args.warmup_iters + args.iters
     k, largest = 4, max(batch_sizes)
     # Iteration i at batch size B takes the prompts B * i ... B * (i + 1) - 1, cycled.
-    requests = {
-        b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
-        for b in batch_sizes
-    }
-    results = []
-    for name, ngram in (
-        ("no-spec", None),
-        (f"ngram-k{k}", {"method": "ngram", "num_speculative_tokens": k}),
-    ):
+    make = lambda b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
+    requests, results = {b: make(b) for b in batch_sizes}, []
+    configs = (("no-spec", None), (f"ngram-k{k}", {"method": "ngram", "num_speculative_tokens": k}))
+    for name, ngram in configs:
         blocks = kv_blocks_needed(requests[largest], largest, k if ngram else 0)
         options = {"enable_prefix_caching": False, "speculative_config": ngram}
         engine = make_engine(spec, args, largest, blocks, **options)
@@ -138,20 +113,13 @@ def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             runs = runs[args.warmup_iters :]
             ttft, tpot = ttft_tpot([t for run in runs for t in run.timings])
             drafts, accepted = (
-                sum(run.stats[key] for run in runs) for key in ("draft_tokens", "accepted_tokens")
+                sum(r.stats[k] for r in runs) for k in ("draft_tokens", "accepted_tokens")
             )
             batch_s = [max(t.last_token_s for t in run.timings) for run in runs]
-            results.append(
-                {
-                    "config": name,
-                    "batch_size": b,
-                    "iterations": len(runs),
-                    "ttft_s": quantiles(ttft),
-                    "tpot_s": quantiles(tpot),
-                    "batch_latency_s": quantiles(batch_s),
-                    "acceptance_rate": accepted / drafts if drafts else None,
-                }
-            )
+            results.append({"config": name, "batch_size": b, "iterations": len(runs),
+                "ttft_s": quantiles(ttft), "tpot_s": quantiles(tpot),
+                "batch_latency_s": quantiles(batch_s),
+                "acceptance_rate": accepted / drafts if drafts else None})  # fmt: skip
             print(f"{name} batch {b}: TTFT p50 {results[-1]['ttft_s']['p50']:.3f} s", flush=True)
         del engine
         workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
@@ -165,12 +133,9 @@ def run(args: argparse.Namespace) -> dict:
     kind = "latency" if args.latency else "throughput"
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
-    config |= {"batch_sizes": batch_sizes} | ({} if args.latency else {"peers": peer_names(args)})
-    payload = {
-        "benchmark": kind,
-        "machine": output.machine_info(device, "benchmarks.throughput"),
-        "config": config,
-    }
+    config |= {"batch_sizes": batch_sizes} | ({} if args.latency else {"peers": list(args.peers)})
+    machine = output.machine_info(device, "benchmarks.throughput")
+    payload = {"benchmark": kind, "machine": machine, "config": config}
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
     output.finish(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
@@ -200,17 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--peers", default=",".join(peers.PEERS))
-    add("--no-peers", action="store_true")
+    add("--peers", default=peers.PEERS, type=lambda t: [p for p in t.split(",") if p],
+        help=f"among {peers.PEERS}; '' for none")  # fmt: skip
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     return parser
 
 
-def main() -> None:
-    run(build_parser().parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    run(build_parser().parse_args())

@@ -13,9 +13,8 @@ from transformers import AutoConfig, AutoTokenizer
 from engine import EngineConfig, LLMEngine
 
 BLOCK_SIZE = 16  # KV block size of every engine the benchmarks build
-MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
-PROMPTS_FILE = Path(__file__).parent / "data" / "spec_prompts.jsonl"
-WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in PROMPTS_FILE
+DATA = Path(__file__).parent / "data"
+WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in data/spec_prompts.jsonl
 
 
 @dataclass(frozen=True)
@@ -39,47 +38,40 @@ class ModelSpec:
 def parse_range(text: str, name: str) -> tuple[int, int]:
     """ "32:256" -> (32, 256); "128" -> (128, 128). Both ends >= 1."""
     parts = text.split(":")
-    try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        lo, hi = 0, -1
-    if lo < 1 or hi < lo:
+    lo, hi = (parts[0], parts[-1]) if len(parts) <= 2 else ("0", "-1")
+    if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
         raise ValueError(f"{name} must be N or LO:HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
+    return int(lo), int(hi)
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
     """ "16,1,4" -> [1, 4, 16] (sorted, distinct, each >= 1)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or not all(x.isdigit() and int(x) >= 1 for x in values):
         raise ValueError(f"{name} must be a comma-separated list of integers >= 1, got {text!r}")
-    return sorted(set(values))
+    return sorted({int(x) for x in values})
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """--device and --dtype as EngineConfig reads them: "auto" is CUDA where there is one, and
     bfloat16 there, float32 on the CPU."""
-    cuda = torch.cuda.is_available()
-    dev = torch.device(("cuda" if cuda else "cpu") if device == "auto" else device)
+    dev = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    )
     auto = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, auto if dtype == "auto" else getattr(torch, dtype)
 
 
 def resolve_model(model: str | None, load_format: str, model_config: str | None) -> ModelSpec:
     """--model / --load-format / --model-config -> a ModelSpec (config read without weights)."""
-    if model_config is not None:
-        if load_format != "dummy":
-            raise ValueError("--model-config needs --load-format dummy")
-        path = MODEL_CONFIG_DIR / f"{model_config}.json"
+    if model_config is not None:  # a model_configs/ name or a config.json, random weights
+        path = Path(__file__).parent / "model_configs" / f"{model_config}.json"
         path = path if path.is_file() else Path(model_config)
-        if not path.is_file():
-            names = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
-            raise ValueError(f"model_config must be one of {names} or a config.json, got {path}")
-        config = AutoConfig.from_pretrained(str(path))
-        return ModelSpec(str(path), "dummy", None, config, None, path.stem)
+        if load_format != "dummy" or not path.is_file():
+            raise ValueError(f"--model-config needs --load-format dummy and a config: {path}")
+        return ModelSpec(
+            str(path), "dummy", None, AutoConfig.from_pretrained(str(path)), None, path.stem
+        )
     if model is None:
         from engine.default_model import default_model_dir  # the engine has no public path
 
@@ -91,24 +83,18 @@ def resolve_model(model: str | None, load_format: str, model_config: str | None)
     has_tokenizer = gguf or any(os.path.exists(os.path.join(path, f)) for f in files)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf) if has_tokenizer else None
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf)
-    hf_path = None if load_format == "dummy" else path
-    return ModelSpec(model, load_format, hf_path, config, tokenizer, name)
+    return ModelSpec(
+        model, load_format, None if load_format == "dummy" else path, config, tokenizer, name
+    )
 
 
-def make_workload(
-    num: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    spec: ModelSpec,
-    seed: int,
-    prompts: list[list[int]] | None = None,
-) -> list[BenchRequest]:
+def make_workload(num, input_len, output_len, spec: ModelSpec, seed: int, prompts=None):
     """``num`` requests: ``prompts`` in turn, or seeded random token ids (no special ids) of
     lengths drawn from ``input_len``; output lengths drawn from ``output_len``."""
     banned = set(spec.tokenizer.all_special_ids) if spec.tokenizer is not None else set()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(spec.config, key, None)
-        banned.update(
+        banned |= set(
             value if isinstance(value, list | tuple) else [] if value is None else [value]
         )
     rng, requests = random.Random(seed), []
@@ -120,23 +106,20 @@ def make_workload(
         ids, length = [], rng.randint(*input_len)
         while len(ids) < length:
             token = rng.randrange(spec.config.vocab_size)
-            if token not in banned:
-                ids.append(token)
+            ids += [] if token in banned else [token]
         requests.append(BenchRequest(ids, out))
     return requests
 
 
 def chat_prompts(tokenizer, workload: str, limit: int | None = None) -> list[list[int]]:
     """The workload's chat prompts as token ids (chat template, generation prompt added)."""
+    from engine.llm import render_chat
+
     if workload not in WORKLOADS or tokenizer is None:
         raise ValueError(f"workload must be one of {WORKLOADS}, for a model with a tokenizer")
-    records = [json.loads(line) for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
-    texts = [
-        tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
-        for r in records
-        if r["workload"] == workload
-    ]
-    return [tokenizer.encode(text, add_special_tokens=False) for text in texts[:limit]]
+    lines = (DATA / "spec_prompts.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, filter(None, lines)) if r["workload"] == workload]
+    return [render_chat(tokenizer, r["messages"])[1] for r in records[:limit]]
 
 
 def kv_blocks_needed(requests: list[BenchRequest], batch_size: int, k: int) -> int:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import build_random_eagle_head
 from transformers import AutoConfig, LlamaForCausalLM
 
 from benchmarks import (
@@ -229,24 +230,28 @@ def _numbers(obj, path=()):
         yield path
 
 
+def assert_every_number_shown(payload: dict, file: str) -> None:
+    """Each number in ``payload``, changed, changes the page, unless NOT_SHOWN."""
+    base = report.section(payload, file)
+    for where in _numbers(payload):
+        if NOT_SHOWN.get(payload["benchmark"], set()) & set(where):
+            continue
+        changed = json.loads(json.dumps(payload))
+        *parents, last = where
+        holder = changed
+        for key in parents:
+            holder = holder[key]
+        value = holder[last]
+        holder[last] = value * 3 + 7 if isinstance(value, int) else value * 3.7 + 1.234
+        text = report.section(changed, file)
+        assert text != base, f"{file}: {'/'.join(map(str, where))} is not on the page"
+
+
 def test_report_shows_every_measured_number():
-    """Each number in each committed JSON file, changed, changes the page, unless NOT_SHOWN."""
     for path in sorted((BENCHMARKS / "results").glob("*.json")):
         payload = json.loads(path.read_text())
-        benchmark = payload.setdefault("benchmark", path.stem)
-        base = report.section(payload, path.name)
-        for where in _numbers(payload):
-            if NOT_SHOWN.get(benchmark, set()) & set(where):
-                continue
-            changed = json.loads(json.dumps(payload))
-            *parents, last = where
-            holder = changed
-            for key in parents:
-                holder = holder[key]
-            value = holder[last]
-            holder[last] = value * 3 + 7 if isinstance(value, int) else value * 3.7 + 1.234
-            text = report.section(changed, path.name)
-            assert text != base, f"{path.name}: {'/'.join(map(str, where))} is not on the page"
+        payload.setdefault("benchmark", path.stem)
+        assert_every_number_shown(payload, path.name)
 
 
 def _parse(module: str, argv: list[str]):
@@ -323,6 +328,34 @@ def test_spec_decode_is_lossless(tiny_llama, bench_dir):
         tokens = {name: rows["2"]["tokens"] for name, rows in sweep["rows"].items()}
         assert tokens["off"] == tokens["forced"] == tokens["default"]
     assert "## Speculative decoding" in report.render(bench_dir, bench_dir / "RESULTS.md")
+
+
+def test_spec_decode_eagle_part(tiny_llama, tmp_path):
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300)
+    args = ["--model", tiny_llama, "--methods", "eagle", "--eagle-head", head]
+    args += ["--eagle-prompts", "2", "--eagle-max-tokens", "8", "--eagle-batch-sizes", "2,16"]
+    args += ["--sweep-max-tokens", "4", "--output-dir", str(tmp_path)]
+    payload = spec_decode.run(spec_decode.build_parser().parse_args(args))
+    assert json.loads((tmp_path / "spec_decode.json").read_text()) == payload
+    assert payload["workloads"] == payload["batch_sweep"] == {}  # no ngram part asked for
+    runs = payload["eagle"]["runs"]
+    assert set(runs) == set(spec_decode.EAGLE_RUNS)
+    assert runs["eagle"]["same_tokens_as_reference"] == 1.0  # greedy EAGLE is lossless
+    assert "acceptance_rate" not in runs["none"] and "acceptance_rate" not in runs["none-t"]
+    for name in ("eagle", "eagle-t", "eagle-t-argmax"):
+        by_position = runs[name]["acceptance_by_position"]  # accepted at i / verifications
+        assert len(by_position) == 4 and by_position == sorted(by_position, reverse=True)
+        assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
+        assert runs[name]["temperature"] == (0.0 if name == "eagle" else 0.8)
+    assert payload["eagle"]["draft_cost"]["share"] > 0
+    rows = payload["eagle"]["batch_sweep"]["rows"]
+    for b in ("2", "16"):  # greedy: the same tokens with the default config as without
+        assert rows["off"][b]["tokens"] == rows["default"][b]["tokens"] == 4 * int(b)
+    assert rows["default"]["2"]["acceptance_rate"] is not None  # on below disable_batch_size
+    assert rows["default"]["16"]["acceptance_rate"] is None  # off from it
+    names = [t["name"] for t in report.targets(payload)]
+    assert names[0] == "eagle: tokens per verification, k=4, greedy" and len(names) == 6
+    assert_every_number_shown(payload, "spec_decode.json")
 
 
 def test_component_benchmarks_run(tiny_llama, tmp_path, monkeypatch):
