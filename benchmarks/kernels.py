@@ -14,6 +14,7 @@ import argparse
 import itertools
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -49,51 +50,33 @@ def time_cuda(fn: Callable[[], object], iters: int, warmup: int, flush: torch.Te
     return percentile(times, 50)
 
 
-def copy_bandwidth(flush: torch.Tensor) -> float:
-    """Device copy bandwidth in bytes/s (read + write) of a 1 GiB tensor copy."""
-    src = torch.empty(GiB, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * GiB / time_cuda(lambda: dst.copy_(src), iters=10, warmup=3, flush=flush)
-
-
-def cuda_backends() -> tuple[dict[str, Callable[..., torch.Tensor]], str]:
-    """The backends to time, and "ok" or why xFormers' rows are left out."""
-    from kernels import triton_attention
-
-    runs = {
-        "triton": lambda *a: kernels.paged_attention(*a, backend="triton"),
-        "triton-1pass": lambda *a: triton_attention.paged_attention(*a, num_splits=1),
-        "torch": lambda *a: kernels.paged_attention(*a, backend="torch"),
-    }
-    try:
-        import xformers.ops  # noqa: F401
-    except Exception as exc:  # any failure (missing, wrong build) just drops its rows
-        return runs, f"{type(exc).__name__}: {exc}"
-    return runs | {"xformers": lambda *a: kernels.paged_attention(*a, backend="xformers")}, "ok"
-
-
 def run_cuda(args: argparse.Namespace) -> dict:
     """All CUDA cases, the JSON saved after each case (a killed run keeps what it measured)."""
     from kernels import triton_attention
 
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    copy_bw = copy_bandwidth(flush)
-    backends, xf = cuda_backends()
+    src = torch.empty(GiB, dtype=torch.uint8, device="cuda")  # copy bandwidth: read + write
+    dst = torch.empty_like(src)
+    copy_bw = 2 * GiB / time_cuda(lambda: dst.copy_(src), 10, 3, flush)
+    backends = {name: lambda *a, b=name: kernels.paged_attention(*a, backend=b)
+                for name in ("triton", "torch", "xformers")}  # fmt: skip
+    backends["triton-1pass"] = lambda *a: triton_attention.paged_attention(*a, num_splits=1)
+    try:
+        import xformers.ops  # noqa: F401
+
+        xf = "ok"
+    except Exception as exc:  # any failure (missing, wrong build) just drops its rows
+        xf = f"{type(exc).__name__}: {exc}"
+        del backends["xformers"]
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     scale = head_dim**-0.5
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s; xformers: {xf}")
-    result = {
-        "benchmark": "kernels",
-        "machine": output.machine_info(torch.device("cuda"), "benchmarks.kernels"),
-        "device": torch.cuda.get_device_name(),
-        "copy_bandwidth_gb_per_s": copy_bw / 1e9,
-        "xformers": xf,
-        "shape": dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
-        | {"dtype": "bfloat16"},
-        "rows": [],
-        "skipped": [],
-    }
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    result = {"benchmark": "kernels", "device": torch.cuda.get_device_name(),
+              "machine": output.machine_info(torch.device("cuda"), "benchmarks.kernels"),
+              "copy_bandwidth_gb_per_s": copy_bw / 1e9, "xformers": xf,
+              "shape": shape | {"dtype": "bfloat16"}, "rows": [], "skipped": []}  # fmt: skip
     for span, batch, context in itertools.product(args.spans, (1, 8, 64, 256), (512, 4096, 16384)):
         case = {"span": span, "batch": batch, "context": context}
         cache_bytes = 2 * (batch * math.ceil(context / block_size) + 2) * block_size * kv_heads
@@ -124,16 +107,10 @@ def run_cuda(args: argparse.Namespace) -> dict:
             except Exception as exc:  # a backend that cannot run a case gets a note
                 result["rows"].append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
-            result["rows"].append(
-                row
-                | {
-                    "splits": splits if name == "triton" else None,
-                    "median_us": seconds * 1e6,
-                    "gb_per_s": row["kv_bytes"] / seconds / 1e9,
-                    "of_copy_bw": row["kv_bytes"] / seconds / copy_bw,
-                    "rel_err_vs_fp32": float(err / exact.abs().max()),
-                }
-            )
+            result["rows"].append(row | {"splits": splits if name == "triton" else None,
+                "median_us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
+                "of_copy_bw": row["kv_bytes"] / seconds / copy_bw,
+                "rel_err_vs_fp32": float(err / exact.abs().max())})  # fmt: skip
             print(f"{case} {name}: {seconds * 1e6:.0f} us", flush=True)
         del p, exact
         torch.cuda.empty_cache()
@@ -154,31 +131,18 @@ def run_cpu(args: argparse.Namespace) -> dict:
         )  # fmt: skip
         for backend in ("torch", "cpu"):
             out = torch.empty_like(p.query)
-            call = lambda p=p, out=out, b=backend: kernels.paged_attention(  # noqa: E731
-                *p.args(), 0.125, out=out, backend=b
-            )
+            call = partial(kernels.paged_attention, *p.args(), 0.125, out=out, backend=backend)
             times = time_calls(call, args.iters, warmup=3)
             seconds = percentile(times, 50)
-            case = {"span": span, "batch": batch, "context": "uniform 100..1000"}
-            rows.append(
-                case
-                | {
-                    "backend": backend,
-                    "median_us": seconds * 1e6,
-                    "min_us": min(times) * 1e6,
-                    "gb_per_s": kv_bytes(p) / seconds / 1e9,
-                    "ms_per_step_30_layers": seconds * layers * 1e3,
-                }
-            )
+            rows.append({"span": span, "batch": batch, "context": "uniform 100..1000",
+                "backend": backend, "median_us": seconds * 1e6, "min_us": min(times) * 1e6,
+                "gb_per_s": kv_bytes(p) / seconds / 1e9,
+                "ms_per_step_30_layers": seconds * layers * 1e3})  # fmt: skip
         rows[-1]["speedup_vs_torch"] = rows[-2]["median_us"] / rows[-1]["median_us"]
-    return {
-        "benchmark": "kernels",
-        "device": "cpu",
-        "machine": output.machine_info(torch.device("cpu"), "benchmarks.kernels"),
-        "threads": torch.get_num_threads(),
-        "shape": {"heads": 9, "kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"},
-        "rows": rows,
-    }
+    shape = {"heads": 9, "kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"}
+    machine = output.machine_info(torch.device("cpu"), "benchmarks.kernels")
+    return {"benchmark": "kernels", "device": "cpu", "machine": machine,
+            "threads": torch.get_num_threads(), "shape": shape, "rows": rows}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,19 +53,14 @@ class _StepClock(LogitsProcessor):
 
 def pad_id(model) -> int:
     """The model's pad token id (0 where it names none)."""
-    for value in (model.generation_config.pad_token_id, model.config.pad_token_id):
-        if isinstance(value, int):
-            return value
-    return 0
+    values = (model.generation_config.pad_token_id, model.config.pad_token_id)
+    return next((v for v in values if isinstance(v, int)), 0)
 
 
 @torch.inference_mode()
 def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
     """Static batches of ``batch_size`` in request order, each run to its longest output."""
-    device = model.device
-    pad = pad_id(model)
-    timings: list[RequestTiming] = []
-    start = time.perf_counter()
+    device, pad, timings, start = model.device, pad_id(model), [], time.perf_counter()
     for lo in range(0, len(requests), batch_size):
         group = requests[lo : lo + batch_size]
         width = max(len(r.prompt_ids) for r in group)
@@ -76,24 +71,14 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
             mask[row, width - len(r.prompt_ids) :] = 1
         longest = max(r.output_len for r in group)
         clock = _StepClock(device, start)
-        model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            generation_config=GenerationConfig(
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=model.generation_config.eos_token_id,
-            ),
-            logits_processor=[clock],
-        )
+        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+            pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)  # fmt: skip
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       generation_config=config, logits_processor=[clock])  # fmt: skip
         if len(clock.times) != longest:
             raise RuntimeError(f"hf-static made {len(clock.times)} steps, expected {longest}")
-        timings.extend(
-            RequestTiming(clock.times[0], clock.times[r.output_len - 1], r.output_len)
-            for r in group
-        )
+        t = clock.times
+        timings += [RequestTiming(t[0], t[r.output_len - 1], r.output_len) for r in group]
     return timings
 
 
@@ -102,32 +87,24 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
     """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
     longest = max(len(r.prompt_ids) + r.output_len for r in requests)
     page = 256
+    # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
     cb_config = ContinuousBatchingConfig(
         page_size=page,
-        # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
+        max_requests_per_batch=batch_size,
         num_blocks=batch_size * (math.ceil(longest / page) + 1),
         max_batch_tokens=MAX_BATCH_TOKENS,
-        max_requests_per_batch=batch_size,
     )
-    gen_config = GenerationConfig(
-        max_new_tokens=max(r.output_len for r in requests),
-        do_sample=False,
-        eos_token_id=-1,  # no EOS: every request makes exactly its output_len tokens
-        pad_token_id=pad_id(model),
-    )
+    # No EOS: every request makes exactly its output_len tokens.
+    gen_config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests),
+        do_sample=False, eos_token_id=-1, pad_token_id=pad_id(model))  # fmt: skip
     results = {}
     with model.continuous_batching_context_manager(
         generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30
     ) as manager:
         start = time.perf_counter()
         for i, r in enumerate(requests):
-            manager.add_request(
-                r.prompt_ids,
-                request_id=f"r{i}",
-                max_new_tokens=r.output_len,
-                eos_token_id=-1,
-                record_timestamps=True,
-            )
+            manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
+                                eos_token_id=-1, record_timestamps=True)  # fmt: skip
         while len(results) < len(requests):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
@@ -139,11 +116,9 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
         result = results[f"r{i}"]
         if result.error is not None:
             raise RuntimeError(f"hf-batch request failed: {result.error}")
-        stamps = result.timestamps or []
-        if len(result.generated_tokens) != r.output_len or len(stamps) != r.output_len:
-            raise RuntimeError(
-                f"hf-batch made {len(result.generated_tokens)} tokens, expected {r.output_len}"
-            )
+        stamps, made = result.timestamps or [], len(result.generated_tokens)
+        if made != r.output_len or len(stamps) != r.output_len:
+            raise RuntimeError(f"hf-batch made {made} tokens, expected {r.output_len}")
         timings.append(RequestTiming(stamps[0] - start, stamps[-1] - start, r.output_len))
     return timings
 
