@@ -6,7 +6,7 @@ ignore_eos; a smaller B's requests are a prefix of a larger one's. One wave keep
 sweep short; more waves queue requests behind the running ones, where continuous batching gains
 over static batches. Per system: generated and total tokens/s, requests/s, TTFT and TPOT (median,
 p99) from submission; pagedspec's peak KV blocks and preemptions, and its share of the decode
-ceiling measured on this device (``benchmarks/roofline.py``; the share counts prefill time too).
+ceiling measured on this device (below; the share counts prefill time too).
 
 Latency (--latency): pagedspec alone, without and with ngram k=4. Each iteration submits B
 grounded chat prompts (taken in turn) at once, each making exactly --output-len tokens, after
@@ -15,10 +15,12 @@ is off so every iteration pays for its prefill.
 """
 
 import argparse
-from dataclasses import asdict
 
-from benchmarks import output, peers, roofline, workload
-from benchmarks.timing import quantiles, run_engine, summarize, ttft_tpot
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks import output, peers, workload
+from benchmarks.timing import quantiles, run_engine, summarize, time_calls, ttft_tpot
 from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
 
 DUMMY_NOTE = (
@@ -26,6 +28,48 @@ DUMMY_NOTE = (
     "with ignore_eos every request makes exactly its requested tokens whatever their values, "
     "so the work and the throughput do not depend on the weights"
 )
+
+
+# The decode roofline. A decode step of B sequences reads every matmul weight once (weight_bytes)
+# and costs 2 FLOP per matmul parameter per token: ceiling tokens/s = B / max(weight_bytes /
+# bandwidth, 2 * num_params * B / flops). num_params: every layer's matrices plus the LM head (an
+# untied embedding table is only looked up: left out). Attention over the KV cache is left out
+# too (small at these contexts), so the ceiling is an upper bound.
+
+
+def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
+    """Copy bandwidth (read + write bytes) and GEMM rate, each the fastest of 5 calls, at sizes
+    past the caches and launch overheads: what the device can do, not what it did under load."""
+    copy_bytes, n = (2 << 30, 8192) if device.type == "cuda" else (256 << 20, 2048)
+    fastest = lambda fn: min(time_calls(fn, 5, device=device))
+    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * copy_bytes / fastest(lambda: dst.copy_(src)) / 1e9
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return {"bandwidth_gbs": bandwidth, "matmul_gflops": 2 * n**3 / fastest(lambda: a @ b) / 1e9,
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "copy_bytes": copy_bytes, "gemm_size": n}  # fmt: skip
+
+
+def model_cost(config, dtype: torch.dtype) -> dict:
+    """Matmul parameters of ``config``'s model (on a weightless meta model) and their bytes."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed.weight is head.weight
+    params = sum(p.numel() for p in model.parameters() if tied or p is not embed.weight)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {"num_params": params, "weight_bytes": params * dtype.itemsize, "dtype": dtype_name}
+
+
+def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
+    """Upper bound on decode tokens/s: the slower of reading the weights and the batch's FLOPs."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    read_s = cost["weight_bytes"] / (rates["bandwidth_gbs"] * 1e9)
+    return batch_size / max(
+        read_s, 2 * cost["num_params"] * batch_size / (rates["matmul_gflops"] * 1e9)
+    )
 
 
 def fastest(runs: list[dict]) -> dict:
@@ -44,7 +88,7 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
     others = args.peers
-    rates, cost = roofline.measure(device, dtype), roofline.model_cost(spec.config, dtype)
+    rates, cost = device_rates(device, dtype), model_cost(spec.config, dtype)
     if others:
         hf_model = peers.load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
@@ -76,7 +120,7 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
                 workload.release_memory(device)
         systems = {name: fastest(system_runs) for name, system_runs in runs.items()}
         ours = systems["pagedspec"]["output_tokens_per_s"]
-        ceiling = roofline.decode_ceiling(b, cost, rates)
+        ceiling = decode_ceiling(b, cost, rates)
         ratios = {
             p: ours / systems[p]["output_tokens_per_s"] for p in others if "error" not in systems[p]
         }
@@ -87,9 +131,9 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
     same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
     return {
-        "model": {"name": spec.name, "load_format": spec.load_format} | asdict(cost),
+        "model": {"name": spec.name, "load_format": spec.load_format} | cost,
         "weights_note": DUMMY_NOTE if spec.load_format == "dummy" else same,
-        "roofline": asdict(rates),
+        "roofline": rates,
         "results": results,
     }
 

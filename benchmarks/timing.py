@@ -69,20 +69,15 @@ class RequestTiming:
 
 def ttft_tpot(timings: Sequence[RequestTiming]) -> tuple[list[float], list[float]]:
     """The TTFT of every request and the TPOT of each that made more than one token."""
-    tpot = [
-        (t.last_token_s - t.first_token_s) / (t.num_output_tokens - 1)
-        for t in timings
-        if t.num_output_tokens > 1
-    ]
+    later = [t for t in timings if t.num_output_tokens > 1]
+    tpot = [(t.last_token_s - t.first_token_s) / (t.num_output_tokens - 1) for t in later]
     return [t.first_token_s for t in timings], tpot
 
 
 def summarize(timings: Sequence[RequestTiming], input_tokens: int) -> dict:
     """Throughput and latency figures of one system's run over a workload (seconds)."""
-    elapsed, out_tokens = (
-        max(t.last_token_s for t in timings),
-        sum(t.num_output_tokens for t in timings),
-    )
+    elapsed = max(t.last_token_s for t in timings)
+    out_tokens = sum(t.num_output_tokens for t in timings)
     ttft, tpot = ttft_tpot(timings)
     return {
         "elapsed_s": elapsed, "num_requests": len(timings), "input_tokens": input_tokens,
@@ -101,23 +96,16 @@ class EngineRun:
     stats: dict
 
 
-def run_engine(
-    engine: LLMEngine,
-    requests: Sequence,
-    ignore_eos: bool = True,
-    clock=time.perf_counter,
-    temperature: float = 0.0,
-) -> EngineRun:
+def run_engine(engine: LLMEngine, requests: Sequence, ignore_eos: bool = True,
+               clock=time.perf_counter, temperature: float = 0.0) -> EngineRun:  # fmt: skip
     """Submit every request (``prompt_ids``, ``output_len``) at once and step to the end;
     per-request timings by ``clock``, tokens, and the engine's stats over the run."""
     before = engine.get_stats()
     min_free, first, done = before.num_free_blocks, {}, {}
     start, steps = clock(), 0
     for i, r in enumerate(requests):
-        params = SamplingParams(
-            temperature=temperature, max_tokens=r.output_len, ignore_eos=ignore_eos
-        )
-        engine.add_request(str(i), r.prompt_ids, params)
+        params = dict(temperature=temperature, max_tokens=r.output_len, ignore_eos=ignore_eos)
+        engine.add_request(str(i), r.prompt_ids, SamplingParams(**params))
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now, steps = clock() - start, steps + 1
@@ -127,29 +115,21 @@ def run_engine(
             if tokens:
                 first.setdefault(out.request_id, now)
             if out.finished:
-                done[out.request_id] = (
-                    RequestTiming(first[out.request_id], now, len(tokens)),
-                    tokens,
-                )
+                timing = RequestTiming(first[out.request_id], now, len(tokens))
+                done[out.request_id] = (timing, tokens)
     after = engine.get_stats()
     drafts, accepted, rounds = (
         getattr(after, k) - getattr(before, k)
         for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
     )
     old = list(before.accepted_by_position) or [0] * len(after.accepted_by_position)
-    stats = {
-        "steps": steps,
-        "num_kv_blocks": after.num_total_blocks,
-        "peak_kv_blocks_used": after.num_total_blocks - min_free,
-        "preemptions": after.num_preemptions - before.num_preemptions,
-        "draft_tokens": drafts,
-        "accepted_tokens": accepted,
-        "verifications": rounds,
-        "accepted_by_position": [
-            a - b for a, b in zip(after.accepted_by_position, old, strict=True)
-        ],
-        "acceptance_rate": accepted / drafts if drafts else None,
-        "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
-    }
+    by_position = [a - b for a, b in zip(after.accepted_by_position, old, strict=True)]
+    stats = {"steps": steps, "num_kv_blocks": after.num_total_blocks,
+             "peak_kv_blocks_used": after.num_total_blocks - min_free,
+             "preemptions": after.num_preemptions - before.num_preemptions,
+             "draft_tokens": drafts, "accepted_tokens": accepted, "verifications": rounds,
+             "accepted_by_position": by_position,
+             "acceptance_rate": accepted / drafts if drafts else None,
+             "mean_accepted_length": (accepted + rounds) / rounds if rounds else None}  # fmt: skip
     ordered = [done[str(i)] for i in range(len(requests))]
     return EngineRun([t for t, _ in ordered], [ids for _, ids in ordered], stats)

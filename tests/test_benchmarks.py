@@ -23,7 +23,6 @@ from benchmarks import (
     kernels,
     linear,
     report,
-    roofline,
     run_all,
     spec_decode,
     throughput,
@@ -126,14 +125,14 @@ def test_timed_run_of_a_fake_engine_gives_known_ttft_and_tpot():
 
 
 def test_decode_ceiling_is_the_slower_of_memory_and_compute():
-    cost = roofline.ModelCost(num_params=10**9, weight_bytes=2 * 10**9, dtype="bfloat16")
-    rates = roofline.DeviceRates(100.0, 1000.0, "cpu", "bfloat16", 1 << 20, 64)
+    cost = {"num_params": 10**9, "weight_bytes": 2 * 10**9}
+    rates = {"bandwidth_gbs": 100.0, "matmul_gflops": 1000.0}
     # Reading 2 GB at 100 GB/s takes 20 ms; B tokens of compute take 2 ms * B.
-    assert roofline.decode_ceiling(1, cost, rates) == pytest.approx(1 / 0.02)
-    assert roofline.decode_ceiling(10, cost, rates) == pytest.approx(10 / 0.02)
-    assert roofline.decode_ceiling(40, cost, rates) == pytest.approx(40 / 0.08)
+    assert throughput.decode_ceiling(1, cost, rates) == pytest.approx(1 / 0.02)
+    assert throughput.decode_ceiling(10, cost, rates) == pytest.approx(10 / 0.02)
+    assert throughput.decode_ceiling(40, cost, rates) == pytest.approx(40 / 0.08)
     with pytest.raises(ValueError, match="batch_size"):
-        roofline.decode_ceiling(0, cost, rates)
+        throughput.decode_ceiling(0, cost, rates)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -143,7 +142,7 @@ def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
     model = LlamaForCausalLM(config)  # with real weights: the oracle counts them
     total = sum(p.numel() for p in model.parameters())  # a tied matrix counted once
     embedding = config.vocab_size * config.hidden_size
-    cost = roofline.model_cost(config, torch.bfloat16)
+    cost = SimpleNamespace(**throughput.model_cost(config, torch.bfloat16))
     assert cost.num_params == (total if tied else total - embedding)
     assert cost.weight_bytes == 2 * cost.num_params and cost.dtype == "bfloat16"
 
