@@ -14,10 +14,10 @@ from pathlib import Path
 # Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
 THROUGHPUT_TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
 # Speculation (grounded workload: the best ngram k against no speculation and against HF's best
-# prompt-lookup k; the sweeps' largest batch: the engine default against no speculation).
+# prompt-lookup k; the sweeps' batches: the engine default against no speculation).
 SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
 # Issue 14's EAGLE targets, batch 1 on held-out chat: tokens per verification (k=4, greedy),
-# speedup greedy and at temperature 0.8; batches 16 and 64 reuse SPEC_LARGE_BATCH.
+# speedup greedy and at temperature 0.8 (sampled acceptance must beat argmax drafts').
 EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
@@ -45,21 +45,19 @@ class _Empty(dict):
         return None
 
 
-def _row(template: str, *args: object, **kwargs: object) -> str:
-    return "| " + _Cells().format(template, *args, **kwargs) + " |"
+def _table(columns: str, rows: list[dict]) -> list[str]:
+    """A markdown table; ``columns``: "header=cell template | ..." (each template formatted with
+    a row's items)."""
+    cols = [c.split("=", 1) for c in columns.split(" | ")]
+    template = " | ".join(cell for _, cell in cols)
+    head = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    return head + ["| " + _Cells().format(template, **r) + " |" for r in rows]
 
 
-def _table(header: str, template: str, rows: list[dict]) -> list[str]:
-    """A markdown table: ``header``'s columns are separated by " | ", each row formats
-    ``template`` with a dict's items."""
-    head = [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1)]
-    return head + [_row(template, **r) for r in rows]
-
-
-def _section(title: str, notes: list[str], header: str, template: str, rows: list[dict]):
-    """A section of the page: its title, notes (a bulleted list) and table."""
+def _section(title: str, notes: list[str], columns: str, rows: list[dict], after=()) -> list:
+    """A section of the page: its title, notes (a bulleted list), table and lines after it."""
     notes = [*notes, ""] if notes else []
-    return [f"## {title}", "", *notes, *_table(header, template, rows), ""]
+    return [f"## {title}", "", *notes, *_table(columns, rows), "", *after]
 
 
 def _machine(p: dict) -> list[str]:
@@ -75,8 +73,7 @@ def _machine(p: dict) -> list[str]:
 
 
 def render_throughput(p: dict) -> list[str]:
-    model, rates, cfg = p["model"], p["roofline"], p["config"]
-    rows = []
+    model, rates, cfg, rows = p["model"], p["roofline"], p["config"], []
     for r in p["results"]:
         for n, s in r["systems"].items():
             row = {"b": r["batch_size"], "n": n, "s": s, "r": r["ratios"].get(n)}
@@ -85,9 +82,6 @@ def render_throughput(p: dict) -> list[str]:
             if "error" in s:  # a peer that could not run is reported, not faked
                 row |= {"s": _Empty(), "error": f"unavailable: {s['error']}"}
             rows.append(row)
-    template = "{b} | {n} | {error}{s[output_tokens_per_s]:.1f} | {s[total_tokens_per_s]:.1f} | "
-    template += "{s[requests_per_s]:.2f} | {s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
-    template += "{s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | {r:.2f} | {c:.0f} | {f:.1%}"
     used = [(r["batch_size"], r["systems"]["pagedspec"]) for r in p["results"]]
     weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
     notes = [
@@ -102,11 +96,14 @@ def render_throughput(p: dict) -> list[str]:
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
         f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
     ]
-    header = "B | system | out tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-    header += "| pagedspec / peer | decode ceiling tok/s | of ceiling"
-    title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
-    return _section(title, notes, header, template, rows)[:-1] + [
-        "",
+    columns = (
+        "B={b} | system={n} | out tok/s={error}{s[output_tokens_per_s]:.1f} | "
+        "total tok/s={s[total_tokens_per_s]:.1f} | req/s={s[requests_per_s]:.2f} | "
+        "TTFT p50 / p99 ms={s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
+        "TPOT p50 / p99 ms={s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | "
+        "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
+    )
+    after = [
         "pagedspec peak KV blocks used / allocated: "
         + ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
         + f"; preemptions: {sum(s['preemptions'] for _, s in used)}.",
@@ -116,31 +113,34 @@ def render_throughput(p: dict) -> list[str]:
         f"![throughput]({{results}}/{p['plot']})",
         "",
     ]
+    title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
+    return _section(title, notes, columns, rows, after)
 
 
 def render_latency(p: dict) -> list[str]:
-    cfg, keys = p["config"], ("ttft_s", "tpot_s", "batch_latency_s")
-    q = " | ".join(f"{{{k}[p50]:ms}} / {{{k}[p90]:ms}} / {{{k}[p99]:ms}}" for k in keys)
+    cfg = p["config"]
+    q = lambda k: f"{{{k}[p50]:ms}} / {{{k}[p90]:ms}} / {{{k}[p99]:ms}}"
     notes = [
         *_machine(p),
         f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
         f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
     ]
-    header = "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance"
-    template = f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}"
-    return _section(f"Latency: {p['model']}", notes, header, template, p["results"])
+    columns = f"config={{config}} | B={{batch_size}} | TTFT p50/p90/p99 ms={q('ttft_s')} | "
+    columns += f"TPOT p50/p90/p99 ms={q('tpot_s')} | batch ms={q('batch_latency_s')} | "
+    columns += "acceptance={acceptance_rate:.0%}"
+    return _section(f"Latency: {p['model']}", notes, columns, p["results"])
 
 
 def render_spec_decode(p: dict) -> list[str]:
     cfg, rows, lines = p["config"], [], [f"## Speculative decoding: {p['model']}", "", *_machine(p)]
     for w, systems in p["workloads"].items():
         for system, runs in systems.items():
-            ours = system == "pagedspec"
+            ours, none = system == "pagedspec", runs["none"]["tokens_per_s"]
             for k, r in runs.items():
                 label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
-                rows.append({"w": w, "r": r, "system": "pagedspec" if ours else "HF generate",
+                rows.append({"w": w, "r": _Empty(r), "speedup": r["tokens_per_s"] / none,
                     "label": "no speculation" if k == "none" else label,
-                    "speedup": r["tokens_per_s"] / runs["none"]["tokens_per_s"]})  # fmt: skip
+                    "system": "pagedspec" if ours else "HF generate"})  # fmt: skip
     if rows:
         lines += [
             f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
@@ -148,12 +148,11 @@ def render_spec_decode(p: dict) -> list[str]:
             "whose output equals pagedspec's without speculation",
             "",
             *_table(
-                "workload | system | speculation | tok/s | speedup | acceptance | tokens/round "
-                "| same tokens",
-                "{w} | {system} | {label} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
-                "{r[acceptance_rate]:.0%} | {r[mean_accepted_length]:.2f} | "
-                "{r[same_tokens_as_reference]:.0%}",
-                [r | {"r": _Empty(r["r"])} for r in rows],
+                "workload={w} | system={system} | speculation={label} | "
+                "tok/s={r[tokens_per_s]:.1f} | speedup={speedup:.2f} | "
+                "acceptance={r[acceptance_rate]:.0%} | tokens/round={r[mean_accepted_length]:.2f} "
+                "| same tokens={r[same_tokens_as_reference]:.0%}",
+                rows,
             ),
         ]
     for workload, sweep in p["batch_sweep"].items():
@@ -163,7 +162,7 @@ def render_spec_decode(p: dict) -> list[str]:
 
 
 def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
-    """Per batch size: both configs' rows and the second's tokens/s over the first's."""
+    """Per batch size: both configs' rows, and the second's tokens/s over the first's."""
     out = []
     for b, a in rows[names[0]].items():
         c = _Empty(rows[names[1]].get(b, {}))
@@ -186,9 +185,9 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
         "",
         *_table(
-            "B | off tok/s | forced tok/s | forced / off | acceptance | default tok/s",
-            "{b} | {a[tokens_per_s]:.1f} | {c[tokens_per_s]:.1f} | {ratio:.2f} | "
-            "{c[acceptance_rate]:.0%} | {default:.1f}",
+            "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
+            "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | "
+            "default tok/s={default:.1f}",
             rows,
         ),
         "",
@@ -202,12 +201,10 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
 def _render_eagle(e: dict) -> list[str]:
     runs, cost, sweep = e["runs"], e["draft_cost"], e["batch_sweep"]
     reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
-    rows = [
-        {"label": EAGLE_LABELS[name], "r": _Empty(r),
-         "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
-         "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
-        for name, r in runs.items()
-    ]  # fmt: skip
+    rows = [{"label": EAGLE_LABELS[name], "r": _Empty(r),
+             "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+             "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
+            for name, r in runs.items()]  # fmt: skip
     return [
         "",
         f"EAGLE, held-out open chat prompts (`benchmarks/data/chat_heldout.jsonl`), head: "
@@ -216,11 +213,11 @@ def _render_eagle(e: dict) -> list[str]:
         "'same tokens' as above (greedy only).",
         "",
         *_table(
-            "speculation | temperature | tok/s | speedup | acceptance | tokens/verification "
-            "| acceptance by draft position | same tokens",
-            "{label} | {r[temperature]} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
-            "{r[acceptance_rate]:.0%} | {r[mean_accepted_length]:.2f} | {by_position} | "
-            "{r[same_tokens_as_reference]:.0%}",
+            "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
+            "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
+            "tokens/verification={r[mean_accepted_length]:.2f} | "
+            "acceptance by draft position={by_position} | "
+            "same tokens={r[same_tokens_as_reference]:.0%}",
             rows,
         ),
         "",
@@ -234,9 +231,8 @@ def _render_eagle(e: dict) -> list[str]:
         f"sequences) vs no speculation; best of {sweep['repeats']} runs each.",
         "",
         *_table(
-            "B | off tok/s | default tok/s | default / off | acceptance",
-            "{b} | {a[tokens_per_s]:.1f} | {c[tokens_per_s]:.1f} | {ratio:.2f} | "
-            "{c[acceptance_rate]:.0%}",
+            "B={b} | off tok/s={a[tokens_per_s]:.1f} | default tok/s={c[tokens_per_s]:.1f} | "
+            "default / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%}",
             _sweep_rows(sweep["rows"], ("off", "default")),
         ),
     ]
@@ -251,9 +247,8 @@ def render_block_manager(p: dict) -> list[str]:
         f"- µs per step for {cfg['num_seqs']} sequences, 1 + {cfg['lookahead']} slots each, "
         f"block size {cfg['block_size']} (append, slot ids, truncate, commit)",
     ]
-    template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
-    return _section("KV block manager bookkeeping", notes, "prefix cache | " + " | ".join(us),
-                    template, rows)  # fmt: skip
+    columns = "prefix cache={on} | " + " | ".join(f"{k}={{r[{k}_us]:.1f}}" for k in us)
+    return _section("KV block manager bookkeeping", notes, columns, rows)
 
 
 def render_linear(p: dict) -> list[str]:
@@ -264,10 +259,10 @@ def render_linear(p: dict) -> list[str]:
         f"passes, {p['threads']} threads",
     ]
     title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
-    header = "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s"
-    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
-    return _section(f"{title} ({p['model']})", notes, header, template + " | {linear_gflops:.0f}",
-                    p["results"])  # fmt: skip
+    columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | Linear ms={linear_ms:.1f} | "
+    columns += "speedup={speedup:.2fx} | Linear GB/s={linear_gbs:.1f} | "
+    columns += "Linear GFLOP/s={linear_gflops:.0f}"
+    return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 
 
 def render_kernels(p: dict) -> list[str]:
@@ -280,18 +275,18 @@ def render_kernels(p: dict) -> list[str]:
         f"100..1000; {p['threads']} threads",
     ]
     title = "Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)"
-    header = "span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch"
-    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
-    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
-    return _section(title, notes, header, template, p["rows"])
+    columns = "span={span} | backend={backend} | median µs={median_us:.0f} | "
+    columns += "K/V GB/s={gb_per_s:.1f} | ms per 30 layers={ms_per_step_30_layers:.1f} | "
+    columns += "vs torch={speedup_vs_torch:.2fx}"
+    return _section(title, notes, columns, p["rows"])
 
 
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
     title = f"Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})"
-    template = "{name} | {seconds:.0f} | {returncode} | `{command}`"
-    return _section(title, [], "benchmark | seconds | exit | command", template, p["runs"])
+    columns = "benchmark={name} | seconds={seconds:.0f} | exit={returncode} | command=`{command}`"
+    return _section(title, [], columns, p["runs"])
 
 
 # benchmark name: its renderer, in the page's order.
@@ -300,17 +295,16 @@ RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
 def targets(p: dict) -> list[dict]:
-    """The targets ``p``'s benchmark measured: name, value, threshold, unit, whether it passed."""
+    """The targets ``p``'s benchmark measured: name, value, threshold, whether it passed."""
     found = []  # (name, value, threshold[, unit, strictly above])
     if p["benchmark"] == "throughput":
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):
-                name = f"throughput, batch {b}: pagedspec vs {peer}"
-                found.append((name, ratios[b][peer], least))
-    if p["benchmark"] != "spec_decode":
-        return _verdicts(found)
-    grounded = p["workloads"].get("grounded")
+                found.append(
+                    (f"throughput, batch {b}: pagedspec vs {peer}", ratios[b][peer], least)
+                )
+    grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.
         best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")
@@ -326,25 +320,22 @@ def targets(p: dict) -> list[dict]:
         value = sweep["default_vs_off_at_largest"]
         found.append((name + " vs no speculation", value, SPEC_LARGE_BATCH))
     if p.get("eagle"):
-        e, tps = p["eagle"], {n: r["tokens_per_s"] for n, r in p["eagle"]["runs"].items()}
+        e = p["eagle"]
+        tps = {n: r["tokens_per_s"] for n, r in e["runs"].items()}
         acc = {n: r.get("acceptance_rate") for n, r in e["runs"].items()}
+        sampled = (acc["eagle-t"] or 0) / acc["eagle-t-argmax"] if acc["eagle-t-argmax"] else None
         found += [
             (f"eagle: tokens per verification, k={e['k']}, greedy",
              e["runs"]["eagle"].get("mean_accepted_length"), EAGLE_TOKENS_PER_ROUND, ""),
             ("eagle: speedup vs no speculation, greedy", tps["eagle"] / tps["none"], EAGLE_SPEEDUP),
             ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
              EAGLE_SPEEDUP_SAMPLED),
-            ("eagle: acceptance at temperature 0.8, sampled / argmax drafts",
-             acc["eagle-t"] / acc["eagle-t-argmax"] if acc["eagle-t"] and acc["eagle-t-argmax"]
-             else None, 1.0, "x", True),
+            ("eagle: acceptance at temperature 0.8, sampled / argmax drafts", sampled, 1.0, "x",
+             True),
         ]  # fmt: skip
         for row in _sweep_rows(e["batch_sweep"]["rows"], ("off", "default")):
             name = f"eagle, batch {row['b']}: engine default vs no speculation"
             found.append((name, row["ratio"], SPEC_LARGE_BATCH))
-    return _verdicts(found)
-
-
-def _verdicts(found: list[tuple]) -> list[dict]:
     out = []
     for f in found:  # (name, value, threshold), then unit ("x") and strictly above (False)
         name, value, threshold, unit, strict = (*f, *("x", False)[len(f) - 3 :])
@@ -356,9 +347,8 @@ def _verdicts(found: list[tuple]) -> list[dict]:
 
 def _targets_table(payloads: list[dict]) -> list[str]:
     rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
-    template = "{name} | {value:.2f}{unit} | {op} {threshold}{unit} | **{verdict}**"
-    table = _table("target | measured | threshold | ", template, rows)
-    return ["## Targets", "", *table, ""] if rows else []
+    columns = "target={name} | measured={value:.2f}{unit} | threshold={op} {threshold}{unit} | "
+    return ["## Targets", "", *_table(columns + "=**{verdict}**", rows), ""] if rows else []
 
 
 def section(payload: dict, file: str) -> str:
@@ -374,34 +364,24 @@ def render(results_dir: Path, output: Path) -> str:
         p = json.loads(path.read_text())
         # block_manager.json carried no name before: its file's says it.
         p |= {"benchmark": p.get("benchmark", path.stem), "_file": path.name}
-        if p["benchmark"] in RENDERERS:
-            payloads.append(p)
+        payloads += [p] if p["benchmark"] in RENDERERS else []
     if not payloads:
         raise ValueError(f"no benchmark JSON files in {results_dir}")
     payloads.sort(key=lambda p: NAMES.index(p["benchmark"]))
-    lines = [
-        "# Benchmark results",
-        "",
-        "Generated by `python -m benchmarks.report` from the JSON files in "
-        f"`{results_dir}`; do not edit by hand. `make bench` reruns the CPU sweep "
-        "(`python -m benchmarks.run_all`) and regenerates this page.",
-        "",
-        *_targets_table(payloads),
-    ]
+    lines = ["# Benchmark results", "", "Generated by `python -m benchmarks.report` from the JSON "
+             f"files in `{results_dir}`; do not edit by hand. `make bench` reruns the CPU sweep "
+             "(`python -m benchmarks.run_all`) and regenerates this page.", "",
+             *_targets_table(payloads)]  # fmt: skip
     for p in payloads:
         lines += RENDERERS[p["benchmark"]](p)
     link = Path(os.path.relpath(results_dir, output.parent)).as_posix()
     return "\n".join(lines).replace("{results}", link) + "\n"
 
 
-def main() -> None:
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--output", type=Path, default=Path("benchmarks/RESULTS.md"))
     args = parser.parse_args()
     args.output.write_text(render(args.results_dir, args.output))
     print(f"wrote {args.output}")
-
-
-if __name__ == "__main__":
-    main()

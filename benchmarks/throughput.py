@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
     kind = "latency" if args.latency else "throughput"
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
-    config |= {"batch_sizes": batch_sizes} | ({} if args.latency else {"peers": list(args.peers)})
+    config |= {"batch_sizes": batch_sizes}
     machine = output.machine_info(device, "benchmarks.throughput")
     payload = {"benchmark": kind, "machine": machine, "config": config}
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--peers", default=peers.PEERS, type=lambda t: [p for p in t.split(",") if p],
+    add("--peers", default=list(peers.PEERS), type=lambda t: [p for p in t.split(",") if p],
         help=f"among {peers.PEERS}; '' for none")  # fmt: skip
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
