@@ -30,6 +30,7 @@ from benchmarks import (
 from benchmarks.timing import percentile, run_engine, summarize, time_calls
 from benchmarks.workload import BenchRequest, ModelSpec, make_workload, parse_int_list, parse_range
 from engine import EngineStats
+from engine.spec_decode.eagle_format import load_head, save_head
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -330,9 +331,13 @@ def test_spec_decode_is_lossless(tiny_llama, bench_dir):
 
 
 def test_spec_decode_eagle_part(tiny_llama, tmp_path):
-    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300)
+    # A head whose q is uniform over the whole vocabulary: at temperature 0.8 its sampled drafts
+    # are accepted with sum min(p, q) > 0, so acceptance by position is not all zeros.
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 512)
+    state, config = load_head(head)
+    save_head(head, state | {"lm_head.weight": torch.zeros_like(state["lm_head.weight"])}, config)
     args = ["--model", tiny_llama, "--methods", "eagle", "--eagle-head", head]
-    args += ["--eagle-prompts", "2", "--eagle-max-tokens", "8", "--eagle-batch-sizes", "2,16"]
+    args += ["--eagle-prompts", "3", "--eagle-max-tokens", "16", "--eagle-batch-sizes", "2,16"]
     args += ["--sweep-max-tokens", "4", "--output-dir", str(tmp_path)]
     payload = spec_decode.run(spec_decode.build_parser().parse_args(args))
     assert json.loads((tmp_path / "spec_decode.json").read_text()) == payload
@@ -346,6 +351,7 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
         assert len(by_position) == 4 and by_position == sorted(by_position, reverse=True)
         assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
         assert runs[name]["temperature"] == (0.0 if name == "eagle" else 0.8)
+    assert runs["eagle-t"]["acceptance_rate"] > 0
     assert payload["eagle"]["draft_cost"]["share"] > 0
     rows = payload["eagle"]["batch_sweep"]["rows"]
     for b in ("2", "16"):  # greedy: the same tokens with the default config as without
