@@ -48,7 +48,7 @@ def measure(num_seqs: int, steps: int, prefix_caching: bool) -> dict[str, float]
         ticks.append(time.perf_counter_ns())
         if step >= WARMUP:
             times_us["step"].append((ticks[-1] - ticks[0]) / 1e3)
-            for phase, a, b in zip(PHASES, ticks, ticks[1:], strict=True):
+            for phase, a, b in zip(PHASES, ticks, ticks[1:], strict=False):
                 times_us[phase].append((b - a) / 1e3)
     for seq_id in range(num_seqs):
         manager.free(seq_id)
