@@ -8,8 +8,6 @@ alternate, --repeats times each; medians, with the weight bandwidth and FLOP rat
 Random weights with the shapes of --model (default: SmolLM2-135M).
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +20,7 @@ from engine.models import get_model_class
 from engine.models.layers import Linear
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
     parser = output.parser(__doc__, model=False)
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
     parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
@@ -30,10 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args) -> dict:
     rows_list = parse_int_list(args.rows, "rows")
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
     spec = resolve_model(args.model, "auto", None)
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -49,10 +45,8 @@ def run(args: argparse.Namespace) -> dict:
 
         def one_pass(plain: bool, inputs=inputs) -> None:
             for m in layers:
-                if plain:
-                    F.linear(inputs[m.in_features], m.weight, m.bias)
-                else:
-                    m(inputs[m.in_features])
+                x = inputs[m.in_features]
+                F.linear(x, m.weight, m.bias) if plain else m(x)
 
         times: dict[bool, list[float]] = {True: [], False: []}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
@@ -61,29 +55,14 @@ def run(args: argparse.Namespace) -> dict:
                 for plain in times:
                     times[plain] += time_calls(lambda plain=plain: one_pass(plain), 1, warmup=0)
         plain_s, ours_s = percentile(times[True], 50), percentile(times[False], 50)
-        results.append(
-            {
-                "rows": rows,
-                "f_linear_ms": plain_s * 1e3,
-                "linear_ms": ours_s * 1e3,
-                "speedup": plain_s / ours_s,
-                "linear_gbs": weight_bytes / ours_s / 1e9,
-                "linear_gflops": 2 * params * rows / ours_s / 1e9,
-            }
-        )
-        print(
-            f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms",
-            flush=True,
-        )
-    payload = {
-        "benchmark": "linear",
-        "machine": output.machine_info(torch.device("cpu"), "benchmarks.linear"),
-        "model": spec.name,
-        "threads": torch.get_num_threads(),
-        "weight_bytes": weight_bytes,
-        "repeats": args.repeats,
-        "results": results,
-    }
+        results.append({"rows": rows, "f_linear_ms": plain_s * 1e3, "linear_ms": ours_s * 1e3,
+            "speedup": plain_s / ours_s, "linear_gbs": weight_bytes / ours_s / 1e9,
+            "linear_gflops": 2 * params * rows / ours_s / 1e9})  # fmt: skip
+        print(f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms")
+    machine = output.machine_info(torch.device("cpu"), "benchmarks.linear")
+    payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
+               "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
+               "repeats": args.repeats, "results": results}  # fmt: skip
     output.finish(payload, args.output_dir, "linear")
     return payload
 

@@ -19,10 +19,9 @@ def parser(doc: str, model: bool = True, output_dir: str = "benchmarks/results")
     --seed."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--output-dir", default=output_dir)
+    for flag, default in (("--model", None), ("--dtype", "auto"), ("--device", "auto")) * model:
+        parser.add_argument(flag, default=default)
     if model:
-        parser.add_argument("--model", default=None, help="HF directory (default: SmolLM2)")
-        parser.add_argument("--dtype", default="auto")
-        parser.add_argument("--device", default="auto")
         parser.add_argument("--seed", type=int, default=0)
     return parser
 
