@@ -1,28 +1,21 @@
 """Speculative decoding: n-gram and EAGLE against no speculation (and n-gram against HF).
 
-ngram (``--methods ngram``): batch 1, greedy, the two workloads of chat prompts in
-``benchmarks/data/spec_prompts.jsonl``, *grounded* (the answer copies a given passage) and *open*.
-pagedspec without speculation and with ngram k in --k-values; HF ``generate`` plain and with
-``prompt_lookup_num_tokens=k``. Requests stop at EOS or --max-tokens; greedy is lossless, so all
-make the same tokens ('same tokens' checks it). Then a batch sweep per workload: its prompts
-cycled to B requests, ngram k=4 forced on at every B (``disable_batch_size`` huge) vs off, and
-the engine default at the largest B; the first B where forced loses is the crossover that
-``SpeculativeConfig.disable_batch_size`` should sit below.
+ngram: batch 1, greedy, the *grounded* (the answer copies a given passage) and *open* chat prompts
+of data/spec_prompts.jsonl, to EOS or --max-tokens; pagedspec without speculation and with ngram
+k in --k-values, HF ``generate`` plain and with prompt lookup k ('same tokens' checks losslessness).
+Then per workload a batch sweep: prompts cycled to B requests, ngram k=4 forced on at every B vs
+off, and the engine default at the largest B (the crossover ``disable_batch_size`` sits below).
 
-eagle (``--methods eagle``): the EAGLE head (--eagle-head; default: the head shipped for the
-default model) on held-out open chat prompts (``benchmarks/data/chat_heldout.jsonl``), batch 1,
-k=4, up to --eagle-max-tokens (stop at EOS): no speculation and eagle at temperature 0 and 0.8,
-and at 0.8 also the head's argmax drafts (``sample_drafts=False``). Tokens per verification,
-acceptance per draft position, speedups, and the draft cost: the median wall time of the
-proposer's ``propose`` call that drafts k tokens, per draft token, over the median
-``ModelRunner.forward`` of the target without speculation (a decode step), both timed by wrapping
-those calls in these runs. Then the engine default (method eagle, its ``disable_batch_size``) vs
-no speculation at --eagle-batch-sizes.
+eagle: the EAGLE head (--eagle-head; default: the one shipped for the default model), held-out
+chat prompts (data/chat_heldout.jsonl), batch 1, k=4: no speculation and eagle at temperature 0
+and 0.8, at 0.8 also argmax drafts of the same head (``sample_drafts=False``). Tokens per
+verification, acceptance per draft position, speedups, and the draft cost: the median wall time of
+the proposer's ``propose`` calls that draft k tokens, per token, over the median target
+``ModelRunner.forward`` without speculation (a decode step), both timed by wrapping those methods.
+Then the engine default (method eagle) vs no speculation at --eagle-batch-sizes.
 
-Every batch-1 configuration runs each prompt in turn (so a disturbance of a shared machine falls
-on all alike), after one warm-up pass; sweeps keep each configuration's fastest of 2 rounds.
-
-    python -m benchmarks.spec_decode [--methods ngram,eagle] [--k-values 2,4,6,8]
+Batch-1 configurations take turns on each prompt after a warm-up pass, so a disturbance of a
+shared machine falls on all alike; sweeps keep each configuration's fastest of 2 rounds.
 """
 
 import itertools

@@ -30,11 +30,9 @@ DUMMY_NOTE = (
 )
 
 
-# The decode roofline. A decode step of B sequences reads every matmul weight once (weight_bytes)
-# and costs 2 FLOP per matmul parameter per token: ceiling tokens/s = B / max(weight_bytes /
-# bandwidth, 2 * num_params * B / flops). num_params: every layer's matrices plus the LM head (an
-# untied embedding table is only looked up: left out). Attention over the KV cache is left out
-# too (small at these contexts), so the ceiling is an upper bound.
+# Decode roofline: a step of B sequences reads every matmul weight once and costs 2 FLOP per
+# matmul parameter (layers + LM head; an untied embedding is only looked up) per token; attention
+# over the KV cache is left out, so tokens/s <= B / max(bytes / bandwidth, 2 * params * B / flops).
 
 
 def device_rates(device: torch.device, dtype: torch.dtype) -> dict:

@@ -6,8 +6,8 @@ after the first, (last - first) / (tokens - 1).
 
 import math
 import time
+from collections import namedtuple
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -31,15 +31,14 @@ def time_calls(
     fn: Callable[[], object], iters: int, warmup: int = 1, device: torch.device | None = None
 ) -> list[float]:
     """Seconds of each of ``iters`` calls after ``warmup`` untimed ones (CUDA work awaited)."""
-
-    def call() -> float:
+    times = []
+    for _ in range(warmup + iters):
         start = time.perf_counter()
         fn()
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    return [call() for _ in range(warmup + iters)][warmup:]
+        times.append(time.perf_counter() - start)
+    return times[warmup:]
 
 
 def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True) -> list[float]:
@@ -58,13 +57,9 @@ def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True)
     return times
 
 
-@dataclass(frozen=True)
-class RequestTiming:
-    """Seconds after submission at which the first and the last output token came out."""
-
-    first_token_s: float
-    last_token_s: float
-    num_output_tokens: int
+# Seconds after submission at which a request's first and last output token came out.
+RequestTiming = namedtuple("RequestTiming", "first_token_s last_token_s num_output_tokens")
+EngineRun = namedtuple("EngineRun", "timings token_ids stats")  # per request; stats over the run
 
 
 def ttft_tpot(timings: Sequence[RequestTiming]) -> tuple[list[float], list[float]]:
@@ -87,13 +82,6 @@ def summarize(timings: Sequence[RequestTiming], input_tokens: int) -> dict:
         "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_median_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
     }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EngineRun:
-    timings: list[RequestTiming]
-    token_ids: list[list[int]]
-    stats: dict
 
 
 def run_engine(engine: LLMEngine, requests: Sequence, ignore_eos: bool = True,

@@ -4,7 +4,7 @@ import gc
 import json
 import os
 import random
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -17,22 +17,10 @@ DATA = Path(__file__).parent / "data"
 WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in data/spec_prompts.jsonl
 
 
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_ids: list[int]
-    output_len: int
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where pagedspec and the HF peers get the model from."""
-
-    engine_model: str | None  # EngineConfig.model
-    load_format: str
-    hf_path: str | None  # weights for the peers; None: random init from ``config``
-    config: object
-    tokenizer: object | None
-    name: str
+BenchRequest = namedtuple("BenchRequest", "prompt_ids output_len")
+# Where pagedspec (EngineConfig.model, load_format) and the HF peers (hf_path; None: random
+# weights from config) get the model from.
+ModelSpec = namedtuple("ModelSpec", "engine_model load_format hf_path config tokenizer name")
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -55,9 +43,8 @@ def parse_int_list(text: str, name: str) -> list[int]:
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """--device and --dtype as EngineConfig reads them: "auto" is CUDA where there is one, and
     bfloat16 there, float32 on the CPU."""
-    dev = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    )
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(auto_device if device == "auto" else device)
     auto = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, auto if dtype == "auto" else getattr(torch, dtype)
 
@@ -69,9 +56,8 @@ def resolve_model(model: str | None, load_format: str, model_config: str | None)
         path = path if path.is_file() else Path(model_config)
         if load_format != "dummy" or not path.is_file():
             raise ValueError(f"--model-config needs --load-format dummy and a config: {path}")
-        return ModelSpec(
-            str(path), "dummy", None, AutoConfig.from_pretrained(str(path)), None, path.stem
-        )
+        config = AutoConfig.from_pretrained(str(path))
+        return ModelSpec(str(path), "dummy", None, config, None, path.stem)
     if model is None:
         from engine.default_model import default_model_dir  # the engine has no public path
 
@@ -83,9 +69,8 @@ def resolve_model(model: str | None, load_format: str, model_config: str | None)
     has_tokenizer = gguf or any(os.path.exists(os.path.join(path, f)) for f in files)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf) if has_tokenizer else None
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf)
-    return ModelSpec(
-        model, load_format, None if load_format == "dummy" else path, config, tokenizer, name
-    )
+    hf_path = None if load_format == "dummy" else path
+    return ModelSpec(model, load_format, hf_path, config, tokenizer, name)
 
 
 def make_workload(num, input_len, output_len, spec: ModelSpec, seed: int, prompts=None):
@@ -94,9 +79,7 @@ def make_workload(num, input_len, output_len, spec: ModelSpec, seed: int, prompt
     banned = set(spec.tokenizer.all_special_ids) if spec.tokenizer is not None else set()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(spec.config, key, None)
-        banned |= set(
-            value if isinstance(value, list | tuple) else [] if value is None else [value]
-        )
+        banned |= set(value) if isinstance(value, list | tuple) else {value} - {None}
     rng, requests = random.Random(seed), []
     for i in range(num):
         out = rng.randint(*output_len)
@@ -132,9 +115,8 @@ def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options
     """An engine for ``spec`` at ``args``' dtype, device and seed; ``options``: EngineConfig's."""
     fields = dict(model=spec.engine_model, load_format=spec.load_format, seed=args.seed)
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
-    return LLMEngine(
-        EngineConfig(**fields, max_num_seqs=max_num_seqs, num_kv_blocks=blocks, **options)
-    )
+    fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
+    return LLMEngine(EngineConfig(**fields, **options))
 
 
 def release_memory(device: torch.device) -> None:
