@@ -8,7 +8,7 @@ import platform
 import random
 import time
 
-from benchmarks import output
+from benchmarks import workload
 from benchmarks.timing import percentile, quantiles
 from memory import BlockManager
 
@@ -59,7 +59,7 @@ def measure(num_seqs: int, steps: int, prefix_caching: bool) -> dict[str, float]
 
 
 def build_parser():
-    parser = output.parser(__doc__, model=False)
+    parser = workload.parser(__doc__, model=False)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     return parser
@@ -73,7 +73,9 @@ def main() -> None:
     config = dict(num_seqs=args.num_seqs, steps=args.steps, warmup=WARMUP, lookahead=LOOKAHEAD,
                   block_size=BLOCK_SIZE, seed=SEED)  # fmt: skip
     payload = {"benchmark": "block_manager", "config": config, "results": rows}
-    output.finish(payload | {"python": platform.python_version()}, args.output_dir, "block_manager")
+    workload.finish(
+        payload | {"python": platform.python_version()}, args.output_dir, "block_manager"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 import kernels
-from benchmarks import output
+from benchmarks import workload
 from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list
 from kernels import reference
@@ -74,7 +74,7 @@ def run_cuda(args: argparse.Namespace) -> dict:
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s; xformers: {xf}")
     shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
     result = {"benchmark": "kernels", "device": torch.cuda.get_device_name(),
-              "machine": output.machine_info(torch.device("cuda"), "benchmarks.kernels"),
+              "machine": workload.machine_info(torch.device("cuda"), "benchmarks.kernels"),
               "copy_bandwidth_gb_per_s": copy_bw / 1e9, "xformers": xf,
               "shape": shape | {"dtype": "bfloat16"}, "rows": [], "skipped": []}  # fmt: skip
     for span, batch, context in itertools.product(args.spans, (1, 8, 64, 256), (512, 4096, 16384)):
@@ -114,7 +114,7 @@ def run_cuda(args: argparse.Namespace) -> dict:
             print(f"{case} {name}: {seconds * 1e6:.0f} us", flush=True)
         del p, exact
         torch.cuda.empty_cache()
-        output.save(result, args.output_dir, "kernels")
+        workload.save(result, args.output_dir, "kernels")
     return result
 
 
@@ -140,13 +140,13 @@ def run_cpu(args: argparse.Namespace) -> dict:
                 "ms_per_step_30_layers": seconds * layers * 1e3})  # fmt: skip
         rows[-1]["speedup_vs_torch"] = rows[-2]["median_us"] / rows[-1]["median_us"]
     shape = {"heads": 9, "kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"}
-    machine = output.machine_info(torch.device("cpu"), "benchmarks.kernels")
+    machine = workload.machine_info(torch.device("cpu"), "benchmarks.kernels")
     return {"benchmark": "kernels", "device": "cpu", "machine": machine,
             "threads": torch.get_num_threads(), "shape": shape, "rows": rows}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = output.parser(__doc__, model=False, output_dir=".")
+    parser = workload.parser(__doc__, model=False, output_dir=".")
     parser.add_argument("--spans", type=lambda t: parse_int_list(t, "spans"), default=[1, 5])
     parser.add_argument("--iters", type=int, default=20)
     return parser
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     result = run_cuda(args) if torch.cuda.is_available() else run_cpu(args)
-    output.finish(result, args.output_dir, "kernels")
+    workload.finish(result, args.output_dir, "kernels")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Random weights with the shapes of --model (default: SmolLM2-135M).
 import torch
 import torch.nn.functional as F
 
-from benchmarks import output
+from benchmarks import workload
 from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list, resolve_model
 
@@ -21,7 +21,7 @@ from engine.models.layers import Linear
 
 
 def build_parser():
-    parser = output.parser(__doc__, model=False)
+    parser = workload.parser(__doc__, model=False)
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
     parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=5)
@@ -59,11 +59,11 @@ def run(args) -> dict:
             "speedup": plain_s / ours_s, "linear_gbs": weight_bytes / ours_s / 1e9,
             "linear_gflops": 2 * params * rows / ours_s / 1e9})  # fmt: skip
         print(f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms")
-    machine = output.machine_info(torch.device("cpu"), "benchmarks.linear")
+    machine = workload.machine_info(torch.device("cpu"), "benchmarks.linear")
     payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
                "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
                "repeats": args.repeats, "results": results}  # fmt: skip
-    output.finish(payload, args.output_dir, "linear")
+    workload.finish(payload, args.output_dir, "linear")
     return payload
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import output
+from benchmarks import workload
 
 RESULTS = "benchmarks/results"
 # name: "module flags..." (benchmarks.<module>).
@@ -50,7 +50,7 @@ if __name__ == "__main__":
         print(f"=== {name}: exit {rc} after {seconds:.0f} s", flush=True)
         runs.append({"name": name, "command": shown, "returncode": rc, "seconds": seconds})
     summary = {"benchmark": "run_all", "quick": False, "started": started, "runs": runs}
-    output.save(summary | {"total_s": time.perf_counter() - start}, RESULTS, "run_all")
+    workload.save(summary | {"total_s": time.perf_counter() - start}, RESULTS, "run_all")
     rc = subprocess.run([sys.executable, "-m", "benchmarks.report"]).returncode
     failed = [r["name"] for r in runs if r["returncode"] != 0] + (["report"] if rc else [])
     print(

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from benchmarks import output, workload
+from benchmarks import workload
 from benchmarks.peers import load_hf_model, pad_id
 from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
@@ -228,14 +228,14 @@ def run(args) -> dict:
         raise ValueError(f"methods must be among ngram,eagle, got {args.methods!r}")
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k != "output_dir"}
-    machine = output.machine_info(device, "benchmarks.spec_decode")
+    machine = workload.machine_info(device, "benchmarks.spec_decode")
     payload = {"benchmark": "spec_decode", "machine": machine, "config": config, "model": spec.name}
     payload |= {"workloads": {}, "batch_sweep": {}}
     if "ngram" in methods:
         payload["workloads"], payload["batch_sweep"] = run_ngram(args, spec)
     if "eagle" in methods:
         payload["eagle"] = run_eagle(args, spec)
-    output.finish(payload, args.output_dir, "spec_decode", plot if payload["workloads"] else None)
+    workload.finish(payload, args.output_dir, "spec_decode", plot if payload["workloads"] else None)
     return payload
 
 
@@ -250,11 +250,11 @@ def plot(payload: dict, path) -> None:
             lines.append((ks, speedups, label, "o-" if ours else "o--"))
     ylabel = "speedup over the same system without speculation"
     title = f"{payload['model']}, batch 1, greedy"
-    output.plot(path, lines, "speculative tokens k", ylabel, title, log=False)
+    workload.plot(path, lines, "speculative tokens k", ylabel, title, log=False)
 
 
 def build_parser():
-    parser = output.parser(__doc__)
+    parser = workload.parser(__doc__)
     add = parser.add_argument
     add("--methods", default="ngram", help="ngram, eagle or both")
     add("--num-prompts", type=int, default=8, help="ngram: per workload")

@@ -19,7 +19,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks import output, peers, workload
+from benchmarks import peers, workload
 from benchmarks.timing import quantiles, run_engine, summarize, time_calls, ttft_tpot
 from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
 
@@ -64,20 +64,10 @@ def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
     """Upper bound on decode tokens/s: the slower of reading the weights and the batch's FLOPs."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    read_s = cost["weight_bytes"] / (rates["bandwidth_gbs"] * 1e9)
-    return batch_size / max(
-        read_s, 2 * cost["num_params"] * batch_size / (rates["matmul_gflops"] * 1e9)
+    read_s = cost["weight_bytes"] / rates["bandwidth_gbs"]
+    return (
+        1e9 * batch_size / max(read_s, 2 * cost["num_params"] * batch_size / rates["matmul_gflops"])
     )
-
-
-def fastest(runs: list[dict]) -> dict:
-    """The run with the most generated tokens/s (an error if every run failed), with the rates
-    of all runs alongside."""
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return runs[-1]
-    best = max(ok, key=lambda r: r["output_tokens_per_s"])
-    return best | {"output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in ok]}
 
 
 def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
@@ -116,24 +106,23 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
                 workload.release_memory(device)
-        systems = {name: fastest(system_runs) for name, system_runs in runs.items()}
-        ours = systems["pagedspec"]["output_tokens_per_s"]
-        ceiling = decode_ceiling(b, cost, rates)
-        ratios = {
-            p: ours / systems[p]["output_tokens_per_s"] for p in others if "error" not in systems[p]
-        }
+        systems = {}
+        for name, rs in runs.items():  # the fastest run (an error if all failed), all rates too
+            rates_ = [r["output_tokens_per_s"] for r in rs if "error" not in r]
+            best = max(rs, key=lambda r: r.get("output_tokens_per_s", -1))
+            systems[name] = best | ({"output_tokens_per_s_runs": rates_} if rates_ else {})
+        ours, ceiling = systems["pagedspec"]["output_tokens_per_s"], decode_ceiling(b, cost, rates)
+        ok = [p for p in others if "error" not in systems[p]]
+        ratios = {p: ours / systems[p]["output_tokens_per_s"] for p in ok}
         row = {"batch_size": b, "num_requests": len(timed), "ceiling_tokens_per_s": ceiling}
         row |= {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
         results.append(row)
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
     same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
-    return {
-        "model": {"name": spec.name, "load_format": spec.load_format} | cost,
-        "weights_note": DUMMY_NOTE if spec.load_format == "dummy" else same,
-        "roofline": rates,
-        "results": results,
-    }
+    model = {"name": spec.name, "load_format": spec.load_format} | cost
+    note = DUMMY_NOTE if spec.load_format == "dummy" else same
+    return {"model": model, "weights_note": note, "roofline": rates, "results": results}
 
 
 def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
@@ -176,10 +165,10 @@ def run(args: argparse.Namespace) -> dict:
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
     config |= {"batch_sizes": batch_sizes}
-    machine = output.machine_info(device, "benchmarks.throughput")
+    machine = workload.machine_info(device, "benchmarks.throughput")
     payload = {"benchmark": kind, "machine": machine, "config": config}
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
-    output.finish(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
+    workload.finish(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
 
 
@@ -193,11 +182,11 @@ def plot(payload: dict, path) -> None:
     sizes = [r["batch_size"] for r in rows]
     lines.append((sizes, [r["ceiling_tokens_per_s"] for r in rows], "decode ceiling", "k--"))
     title = f"{payload['model']['name']} on {m['gpu'] or m['cpu']} ({payload['model']['dtype']})"
-    output.plot(path, lines, "batch size (max_num_seqs)", "generated tokens/s", title, log=True)
+    workload.plot(path, lines, "batch size (max_num_seqs)", "generated tokens/s", title, log=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = output.parser(__doc__)
+    parser = workload.parser(__doc__)
     add = parser.add_argument
     add("--latency", action="store_true", help="measure latency (see above), not throughput")
     add("--load-format", default="auto", choices=("auto", "dummy"))
