@@ -27,8 +27,11 @@ class _Cells(string.Formatter):
     """str.format for table rows: a missing or None value renders as an empty cell; the spec "ms"
     shows seconds in milliseconds, and a float spec with an "x" after it (".2fx") a ratio."""
 
-    def get_value(self, key: int | str, args: tuple, kwargs: dict) -> object:
-        return kwargs.get(key) if isinstance(key, str) else args[key]
+    def get_field(self, name: str, args: tuple, kwargs: dict) -> tuple:
+        try:
+            return super().get_field(name, args, kwargs)
+        except (KeyError, TypeError):  # missing, or inside a missing value
+            return None, name
 
     def format_field(self, value: object, spec: str) -> str:
         if value is None:
@@ -36,13 +39,6 @@ class _Cells(string.Formatter):
         if spec == "ms":
             return f"{value * 1e3:.1f}"
         return format(value, spec[:-1]) + "x" if spec.endswith("fx") else format(value, spec)
-
-
-class _Empty(dict):
-    """A row's missing figures: every key is None, so its cells render empty."""
-
-    def __missing__(self, key):
-        return None
 
 
 def _table(columns: str, rows: list[dict]) -> list[str]:
@@ -80,7 +76,7 @@ def render_throughput(p: dict) -> list[str]:
             if n == "pagedspec":
                 row |= {"c": r["ceiling_tokens_per_s"], "f": r["roofline_fraction"]}
             if "error" in s:  # a peer that could not run is reported, not faked
-                row |= {"s": _Empty(), "error": f"unavailable: {s['error']}"}
+                row |= {"s": None, "error": f"unavailable: {s['error']}"}
             rows.append(row)
     used = [(r["batch_size"], r["systems"]["pagedspec"]) for r in p["results"]]
     weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
@@ -138,7 +134,7 @@ def render_spec_decode(p: dict) -> list[str]:
             ours, none = system == "pagedspec", runs["none"]["tokens_per_s"]
             for k, r in runs.items():
                 label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
-                rows.append({"w": w, "r": _Empty(r), "speedup": r["tokens_per_s"] / none,
+                rows.append({"w": w, "r": r, "speedup": r["tokens_per_s"] / none,
                     "label": "no speculation" if k == "none" else label,
                     "system": "pagedspec" if ours else "HF generate"})  # fmt: skip
     if rows:
@@ -165,8 +161,8 @@ def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
     """Per batch size: both configs' rows, and the second's tokens/s over the first's."""
     out = []
     for b, a in rows[names[0]].items():
-        c = _Empty(rows[names[1]].get(b, {}))
-        ratio = c["tokens_per_s"] and c["tokens_per_s"] / a["tokens_per_s"]
+        c = rows[names[1]].get(b, {})
+        ratio = c.get("tokens_per_s") and c["tokens_per_s"] / a["tokens_per_s"]
         out.append({"b": b, "a": a, "c": c, "ratio": ratio})
     return out
 
@@ -201,7 +197,7 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
 def _render_eagle(e: dict) -> list[str]:
     runs, cost, sweep = e["runs"], e["draft_cost"], e["batch_sweep"]
     reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
-    rows = [{"label": EAGLE_LABELS[name], "r": _Empty(r),
+    rows = [{"label": EAGLE_LABELS[name], "r": r,
              "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
              "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
             for name, r in runs.items()]  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 from transformers import GenerationConfig
 
 from benchmarks import workload
-from benchmarks.peers import load_hf_model, pad_id
+from benchmarks.throughput import load_hf_model, pad_id
 from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
 from engine import SpeculativeConfig

@@ -8,6 +8,11 @@ over static batches. Per system: generated and total tokens/s, requests/s, TTFT 
 p99) from submission; pagedspec's peak KV blocks and preemptions, and its share of the decode
 ceiling measured on this device (below; the share counts prefill time too).
 
+Peers: ``hf-static``, HF ``generate`` over static left-padded batches of B requests in order,
+each run to its longest output (only each request's own tokens count); ``hf-batch``, HF's paged
+continuous batching (its manager driven directly, so each request has its own length), at most B
+requests and MAX_BATCH_TOKENS per step. Both are timed like pagedspec: from submission.
+
 Latency (--latency): pagedspec alone, without and with ngram k=4. Each iteration submits B
 grounded chat prompts (taken in turn) at once, each making exactly --output-len tokens, after
 --warmup-iters untimed ones; TTFT, TPOT and whole-batch latency, p50 / p90 / p99. Prefix caching
@@ -15,13 +20,126 @@ is off so every iteration pays for its prefill.
 """
 
 import argparse
+import math
+import os
+import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from benchmarks import peers, workload
-from benchmarks.timing import quantiles, run_engine, summarize, time_calls, ttft_tpot
-from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
+from benchmarks import workload
+from benchmarks.timing import RequestTiming, quantiles, run_engine, summarize, time_calls, ttft_tpot
+from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, make_workload
+
+PEERS = ("hf-static", "hf-batch")
+MAX_BATCH_TOKENS = 2048
+
+
+def load_hf_model(path: str | None, config, dtype, device, seed: int = 0):
+    """``path``'s weights (a HF directory or .gguf), or (None) random ones from ``config``."""
+    if path is not None:
+        folder, gguf = os.path.split(path) if path.endswith(".gguf") else (path, None)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+class _StepClock(LogitsProcessor):
+    """Records the time each generation step's logits come out (one call per new token)."""
+
+    def __init__(self, device: torch.device, start: float):
+        self.device, self.start, self.times = device, start, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter() - self.start)
+        return scores
+
+
+def pad_id(model) -> int:
+    """The model's pad token id (0 where it names none)."""
+    values = (model.generation_config.pad_token_id, model.config.pad_token_id)
+    return next((v for v in values if isinstance(v, int)), 0)
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+    """Static batches of ``batch_size`` in request order, each run to its longest output."""
+    device, pad, timings, start = model.device, pad_id(model), [], time.perf_counter()
+    for lo in range(0, len(requests), batch_size):
+        group = requests[lo : lo + batch_size]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, r in enumerate(group):
+            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
+        longest = max(r.output_len for r in group)
+        clock = _StepClock(device, start)
+        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+            pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)  # fmt: skip
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       generation_config=config, logits_processor=[clock])  # fmt: skip
+        if len(clock.times) != longest:
+            raise RuntimeError(f"hf-static made {len(clock.times)} steps, expected {longest}")
+        t = clock.times
+        timings += [RequestTiming(t[0], t[r.output_len - 1], r.output_len) for r in group]
+    return timings
+
+
+@torch.inference_mode()
+def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+    """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
+    longest = max(len(r.prompt_ids) + r.output_len for r in requests)
+    page = 256
+    # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
+    cb_config = ContinuousBatchingConfig(
+        page_size=page,
+        max_requests_per_batch=batch_size,
+        num_blocks=batch_size * (math.ceil(longest / page) + 1),
+        max_batch_tokens=MAX_BATCH_TOKENS,
+    )
+    # No EOS: every request makes exactly its output_len tokens.
+    gen_config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests),
+        do_sample=False, eos_token_id=-1, pad_token_id=pad_id(model))  # fmt: skip
+    results = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30
+    ) as manager:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
+                                eos_token_id=-1, record_timestamps=True)  # fmt: skip
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+    timings = []
+    for i, r in enumerate(requests):
+        result = results[f"r{i}"]
+        if result.error is not None:
+            raise RuntimeError(f"hf-batch request failed: {result.error}")
+        stamps, made = result.timestamps or [], len(result.generated_tokens)
+        if made != r.output_len or len(stamps) != r.output_len:
+            raise RuntimeError(f"hf-batch made {made} tokens, expected {r.output_len}")
+        timings.append(RequestTiming(stamps[0] - start, stamps[-1] - start, r.output_len))
+    return timings
+
+
+def run_peer(name: str, model, requests: list[BenchRequest], batch_size: int) -> list:
+    """``name``'s timings on ``requests``, from the moment they were all submitted."""
+    if name not in PEERS:
+        raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
+    run = run_hf_static if name == "hf-static" else run_hf_batch
+    return run(model, requests, batch_size)
+
 
 DUMMY_NOTE = (
     "dummy weights: pagedspec and the HF peers each use random weights for the same config; "
@@ -70,7 +188,7 @@ def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
     )
 
 
-def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
+def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
     """The sweep over batch sizes, pagedspec and the peers taking turns at each."""
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
@@ -78,7 +196,7 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     others = args.peers
     rates, cost = device_rates(device, dtype), model_cost(spec.config, dtype)
     if others:
-        hf_model = peers.load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
+        hf_model = load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
     results = []
     for b in batch_sizes:
@@ -100,8 +218,8 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
-                    peers.run_peer(p, hf_model, warm, b)
-                    timings = peers.run_peer(p, hf_model, timed, b)
+                    run_peer(p, hf_model, warm, b)
+                    timings = run_peer(p, hf_model, timed, b)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
@@ -125,7 +243,7 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
     return {"model": model, "weights_note": note, "roofline": rates, "results": results}
 
 
-def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
+def run_latency(args, spec, batch_sizes: list[int]) -> dict:
     """No speculation and ngram speculation, each on one engine over every batch size."""
     prompts = workload.chat_prompts(spec.tokenizer, "grounded")
     output_len = workload.parse_range(args.output_len, "output_len")
@@ -196,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--peers", default=list(peers.PEERS), type=lambda t: [p for p in t.split(",") if p],
-        help=f"among {peers.PEERS}; '' for none")  # fmt: skip
+    add("--peers", default=list(PEERS), type=lambda t: [p for p in t.split(",") if p],
+        help=f"among {PEERS}; '' for none")  # fmt: skip
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
