@@ -48,16 +48,12 @@ def load_hf_model(path: str | None, config, dtype, device, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-class _StepClock(LogitsProcessor):
-    """Records the time each generation step's logits come out (one call per new token)."""
-
-    def __init__(self, device: torch.device, start: float):
-        self.device, self.start, self.times = device, start, []
+class _StepClock(LogitsProcessor, list):
+    """Records when each generation step's logits come out (one call per new token)."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter() - self.start)
+        torch.cuda.synchronize(scores.device) if scores.is_cuda else None
+        self.append(time.perf_counter())
         return scores
 
 
@@ -80,14 +76,14 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
             ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[row, width - len(r.prompt_ids) :] = 1
         longest = max(r.output_len for r in group)
-        clock = _StepClock(device, start)
+        clock = _StepClock()
         config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
             pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)  # fmt: skip
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                        generation_config=config, logits_processor=[clock])  # fmt: skip
-        if len(clock.times) != longest:
-            raise RuntimeError(f"hf-static made {len(clock.times)} steps, expected {longest}")
-        t = clock.times
+        if len(clock) != longest:
+            raise RuntimeError(f"hf-static made {len(clock)} steps, expected {longest}")
+        t = [x - start for x in clock]
         timings += [RequestTiming(t[0], t[r.output_len - 1], r.output_len) for r in group]
     return timings
 
@@ -95,15 +91,11 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
 @torch.inference_mode()
 def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
     """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
-    longest = max(len(r.prompt_ids) + r.output_len for r in requests)
-    page = 256
+    longest, page = max(len(r.prompt_ids) + r.output_len for r in requests), 256
     # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
-    cb_config = ContinuousBatchingConfig(
-        page_size=page,
-        max_requests_per_batch=batch_size,
-        num_blocks=batch_size * (math.ceil(longest / page) + 1),
-        max_batch_tokens=MAX_BATCH_TOKENS,
-    )
+    blocks = batch_size * (math.ceil(longest / page) + 1)
+    cb_config = ContinuousBatchingConfig(page_size=page, max_requests_per_batch=batch_size,
+        num_blocks=blocks, max_batch_tokens=MAX_BATCH_TOKENS)  # fmt: skip
     # No EOS: every request makes exactly its output_len tokens.
     gen_config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests),
         do_sample=False, eos_token_id=-1, pad_token_id=pad_id(model))  # fmt: skip
@@ -131,14 +123,6 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
             raise RuntimeError(f"hf-batch made {made} tokens, expected {r.output_len}")
         timings.append(RequestTiming(stamps[0] - start, stamps[-1] - start, r.output_len))
     return timings
-
-
-def run_peer(name: str, model, requests: list[BenchRequest], batch_size: int) -> list:
-    """``name``'s timings on ``requests``, from the moment they were all submitted."""
-    if name not in PEERS:
-        raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
-    run = run_hf_static if name == "hf-static" else run_hf_batch
-    return run(model, requests, batch_size)
 
 
 DUMMY_NOTE = (
@@ -218,8 +202,9 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
-                    run_peer(p, hf_model, warm, b)
-                    timings = run_peer(p, hf_model, timed, b)
+                    run = {"hf-static": run_hf_static, "hf-batch": run_hf_batch}[p]
+                    run(hf_model, warm, b)
+                    timings = run(hf_model, timed, b)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
