@@ -67,15 +67,12 @@ def build_parser():
 
 def main() -> None:
     args = build_parser().parse_args()
-    rows = [
-        {"prefix_caching": on, **measure(args.num_seqs, args.steps, on)} for on in (True, False)
-    ]
+    rows = [{"prefix_caching": on} | measure(args.num_seqs, args.steps, on) for on in (True, False)]
     config = dict(num_seqs=args.num_seqs, steps=args.steps, warmup=WARMUP, lookahead=LOOKAHEAD,
                   block_size=BLOCK_SIZE, seed=SEED)  # fmt: skip
-    payload = {"benchmark": "block_manager", "config": config, "results": rows}
-    workload.finish(
-        payload | {"python": platform.python_version()}, args.output_dir, "block_manager"
-    )
+    python = platform.python_version()
+    payload = {"benchmark": "block_manager", "config": config, "python": python, "results": rows}
+    workload.finish(payload, args.output_dir, "block_manager")
 
 
 if __name__ == "__main__":

@@ -170,12 +170,14 @@ def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
 def _render_sweep(workload: str, sweep: dict) -> list[str]:
     rows = _sweep_rows(sweep["rows"], ("off", "forced"))
     for r in rows:
-        r["default"] = sweep["rows"]["default"].get(r["b"], {}).get("tokens_per_s")
+        r["d"] = sweep["rows"]["default"].get(r["b"], {})
+        r["ratio_default"] = r["d"]["tokens_per_s"] / r["a"]["tokens_per_s"] if r["d"] else None
     crossover, repeats = sweep["crossover_batch_size"], sweep.get("repeats")
     return [
         "",
-        f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, ngram "
-        f"k={sweep['k']} forced on at every batch size vs off; 'default' is the engine's "
+        f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, "
+        f"{sweep.get('method', 'ngram')} k={sweep['k']} forced on at every batch size vs off; "
+        "'default' is the engine's "
         f"SpeculativeConfig (speculation off at >= {sweep['default_disable_batch_size']} running "
         "or waiting sequences)"
         + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
@@ -183,19 +185,18 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         *_table(
             "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
             "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | "
-            "default tok/s={default:.1f}",
+            "default tok/s={d[tokens_per_s]:.1f} | default / off={ratio_default:.2f} | "
+            "default acceptance={d[acceptance_rate]:.0%}",
             rows,
         ),
         "",
-        f"Measured crossover: forced speculation is first slower than none at B={crossover}."
-        if crossover
-        else "Measured crossover: forced speculation was never slower than none up to "
-        f"B={sweep['largest_batch_size']}.",
+        f"Measured crossover (up to B={sweep['largest_batch_size']}): forced speculation is "
+        + (f"first slower than none at B={crossover}." if crossover else "never slower than none."),
     ]
 
 
 def _render_eagle(e: dict) -> list[str]:
-    runs, cost, sweep = e["runs"], e["draft_cost"], e["batch_sweep"]
+    runs, cost = e["runs"], e["draft_cost"]
     reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
     rows = [{"label": EAGLE_LABELS[name], "r": r,
              "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
@@ -221,16 +222,7 @@ def _render_eagle(e: dict) -> list[str]:
         f"`propose` call that drafts k tokens, / k) against {cost['target_step_s'] * 1e3:.2f} ms "
         "per target decode step (the median `ModelRunner.forward` without speculation): "
         f"{cost['share']:.1%} of a target step.",
-        "",
-        f"EAGLE batch sweep: up to {sweep['max_tokens']} tokens, the engine default (method "
-        f"eagle, speculation off at >= {sweep['default_disable_batch_size']} running or waiting "
-        f"sequences) vs no speculation; best of {sweep['repeats']} runs each.",
-        "",
-        *_table(
-            "B={b} | off tok/s={a[tokens_per_s]:.1f} | default tok/s={c[tokens_per_s]:.1f} | "
-            "default / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%}",
-            _sweep_rows(sweep["rows"], ("off", "default")),
-        ),
+        *_render_sweep("held-out chat", e["batch_sweep"]),
     ]
 
 
@@ -297,9 +289,8 @@ def targets(p: dict) -> list[dict]:
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):
-                found.append(
-                    (f"throughput, batch {b}: pagedspec vs {peer}", ratios[b][peer], least)
-                )
+                name = f"throughput, batch {b}: pagedspec vs {peer}"
+                found.append((name, ratios[b][peer], least))
     grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.

@@ -53,7 +53,5 @@ if __name__ == "__main__":
     workload.save(summary | {"total_s": time.perf_counter() - start}, RESULTS, "run_all")
     rc = subprocess.run([sys.executable, "-m", "benchmarks.report"]).returncode
     failed = [r["name"] for r in runs if r["returncode"] != 0] + (["report"] if rc else [])
-    print(
-        f"=== run_all: {time.perf_counter() - start:.0f} s" + f"; failed: {failed}" * bool(failed)
-    )
+    print(f"=== run_all: {time.perf_counter() - start:.0f} s; failed: {failed}")
     sys.exit(1 if failed else 0)

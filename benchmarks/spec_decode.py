@@ -102,25 +102,28 @@ def same_tokens(results: dict[str, dict], reference: str, names) -> None:
         results[name]["same_tokens_as_reference"] = sum(map(list.__eq__, out, ref)) / len(ref)
 
 
-def sweep(args, spec, prompts: list[list[int]], configs: dict) -> dict[str, dict]:
-    """Output tokens/s per batch size of each config (name: (speculative_config, batch sizes)):
-    the configs take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run."""
-    sizes = sorted({b for _, bs in configs.values() for b in bs})
+def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, default_sizes) -> dict:
+    """Output tokens/s per batch size, ``prompts`` cycled: speculation off, forced on at every
+    size (``disable_batch_size`` huge) and the engine default at ``default_sizes``. The configs
+    take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run; the first size
+    where forced loses is the crossover that ``disable_batch_size`` should sit below."""
+    forced = speculative | {"disable_batch_size": 1 << 30}
+    configs = {"off": sizes, "forced": sizes, "default": default_sizes}
     n = args.sweep_max_tokens
     reqs = {b: [BenchRequest(prompts[i % len(prompts)], n) for i in range(b)] for b in sizes}
     blocks = kv_blocks_needed(reqs[sizes[-1]], sizes[-1], SWEEP_K)
     engines = {
         name: workload.make_engine(spec, args, sizes[-1], blocks, enable_prefix_caching=False,
                                    speculative_config=config)
-        for name, (config, _) in configs.items()
+        for name, config in (("off", None), ("forced", forced), ("default", speculative))
     }  # fmt: skip
     # Warm-up at each config's largest batch: it touches every KV page and allocation size (warmed
     # at batch 1, "default" once started cold and measured ~7% below "off").
     for name, engine in engines.items():
-        run_engine(engine, reqs[max(configs[name][1])])
+        run_engine(engine, reqs[max(configs[name])])
     rows: dict[str, dict] = {name: {} for name in engines}
     for b, _, (name, engine) in itertools.product(sizes, range(SWEEP_REPEATS), engines.items()):
-        if b in configs[name][1]:
+        if b in configs[name]:
             run = run_engine(engine, reqs[b], ignore_eos=False)
             seconds = max(t.last_token_s for t in run.timings)
             tokens = sum(len(t) for t in run.token_ids)
@@ -130,7 +133,16 @@ def sweep(args, spec, prompts: list[list[int]], configs: dict) -> dict[str, dict
             print(f"  sweep {name:>7} batch {b:3d}: {tokens / seconds:8.1f} tok/s", flush=True)
     del engines
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
-    return rows
+    tps = {name: {b: row["tokens_per_s"] for b, row in r.items()} for name, r in rows.items()}
+    speedup = {b: tps["forced"][b] / tps["off"][b] for b in tps["off"]}
+    slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
+    return {
+        "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
+        "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE, "rows": rows,
+        "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
+        "largest_batch_size": sizes[-1],
+        "default_vs_off_at_largest": tps["default"][b] / tps["off"][b],
+    }  # fmt: skip
 
 
 def run_ngram(args, spec) -> tuple[dict, dict]:
@@ -160,23 +172,10 @@ def run_ngram(args, spec) -> tuple[dict, dict]:
         flat = {(s, k): r for s, runs in systems.items() for k, r in runs.items()}
         same_tokens(flat, ("pagedspec", "none"), list(flat))
     sizes = workload.parse_int_list(args.batch_sizes, "batch_sizes") if args.batch_sizes else []
-    sweeps = {}
-    for w in workload.WORKLOADS if sizes else []:
-        ngram = {"method": "ngram", "num_speculative_tokens": SWEEP_K}
-        configs = {"off": (None, sizes), "forced": (ngram | {"disable_batch_size": 1 << 30}, sizes)}
-        rows = sweep(args, spec, prompts[w], configs | {"default": (ngram, [sizes[-1]])})
-        tps = {name: {b: row["tokens_per_s"] for b, row in r.items()} for name, r in rows.items()}
-        speedup = {b: tps["forced"][b] / tps["off"][b] for b in tps["off"]}
-        slower = [int(b) for b, x in speedup.items() if x < 1.0]
-        b = sizes[-1]
-        sweeps[w] = {
-            "k": SWEEP_K, "max_tokens": args.sweep_max_tokens, "repeats": SWEEP_REPEATS,
-            "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE, "rows": rows,
-            "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
-            "largest_batch_size": sizes[-1],
-            "default_vs_off_at_largest": tps["default"][str(b)] / tps["off"][str(b)],
-        }  # fmt: skip
-    return results, sweeps
+    ngram = {"method": "ngram", "num_speculative_tokens": SWEEP_K}
+    return results, {
+        w: sweep(args, spec, prompts[w], ngram, sizes, sizes[-1:]) for w in prompts if sizes
+    }
 
 
 def run_eagle(args, spec) -> dict:
@@ -208,15 +207,13 @@ def run_eagle(args, spec) -> dict:
     del engines, systems
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
     sizes = workload.parse_int_list(args.eagle_batch_sizes, "eagle_batch_sizes")
-    rows = sweep(args, spec, prompts, {"off": (None, sizes), "default": (eagle, sizes)})
     return {
         "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",
         "k": EAGLE_K, "num_prompts": len(requests), "max_tokens": args.eagle_max_tokens,
         "runs": runs,
         "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
                        "share": draft / target},
-        "batch_sweep": {"max_tokens": args.sweep_max_tokens, "repeats": SWEEP_REPEATS,
-                        "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE, "rows": rows},
+        "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes),
     }  # fmt: skip
 
 

@@ -167,9 +167,8 @@ def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     read_s = cost["weight_bytes"] / rates["bandwidth_gbs"]
-    return (
-        1e9 * batch_size / max(read_s, 2 * cost["num_params"] * batch_size / rates["matmul_gflops"])
-    )
+    compute_s = 2 * cost["num_params"] * batch_size / rates["matmul_gflops"]
+    return 1e9 * batch_size / max(read_s, compute_s)
 
 
 def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
@@ -246,9 +245,8 @@ def run_latency(args, spec, batch_sizes: list[int]) -> dict:
             runs = [run_engine(engine, requests[b][i * b : (i + 1) * b]) for i in range(iterations)]
             runs = runs[args.warmup_iters :]
             ttft, tpot = ttft_tpot([t for run in runs for t in run.timings])
-            drafts, accepted = (
-                sum(r.stats[k] for r in runs) for k in ("draft_tokens", "accepted_tokens")
-            )
+            drafts = sum(r.stats["draft_tokens"] for r in runs)
+            accepted = sum(r.stats["accepted_tokens"] for r in runs)
             batch_s = [max(t.last_token_s for t in run.timings) for run in runs]
             results.append({"config": name, "batch_size": b, "iterations": len(runs),
                 "ttft_s": quantiles(ttft), "tpot_s": quantiles(tpot),

@@ -106,10 +106,8 @@ def run_engine(engine: LLMEngine, requests: Sequence, ignore_eos: bool = True,
                 timing = RequestTiming(first[out.request_id], now, len(tokens))
                 done[out.request_id] = (timing, tokens)
     after = engine.get_stats()
-    drafts, accepted, rounds = (
-        getattr(after, k) - getattr(before, k)
-        for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
-    )
+    keys = ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
+    drafts, accepted, rounds = (getattr(after, k) - getattr(before, k) for k in keys)
     old = list(before.accepted_by_position) or [0] * len(after.accepted_by_position)
     by_position = [a - b for a, b in zip(after.accepted_by_position, old, strict=True)]
     stats = {"steps": steps, "num_kv_blocks": after.num_total_blocks,
