@@ -72,7 +72,7 @@ def main() -> None:
                   block_size=BLOCK_SIZE, seed=SEED)  # fmt: skip
     python = platform.python_version()
     payload = {"benchmark": "block_manager", "config": config, "python": python, "results": rows}
-    workload.finish(payload, args.output_dir, "block_manager")
+    workload.save(payload, args.output_dir, "block_manager")
 
 
 if __name__ == "__main__":

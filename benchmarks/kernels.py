@@ -56,7 +56,7 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    workload.finish(run(args), args.output_dir, "kernels")
+    workload.save(run(args), args.output_dir, "kernels")
 
 
 if __name__ == "__main__":

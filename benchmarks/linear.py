@@ -63,7 +63,7 @@ def run(args) -> dict:
     payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
                "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
                "repeats": args.repeats, "results": results}  # fmt: skip
-    workload.finish(payload, args.output_dir, "linear")
+    workload.save(payload, args.output_dir, "linear")
     return payload
 
 

@@ -36,8 +36,7 @@ from engine.llm import render_chat
 DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 2, 4, 0.8
 HELDOUT = Path(__file__).parent / "data" / "chat_heldout.jsonl"
-# name: (temperature, speculative_config) of the EAGLE part at batch 1; "none*" rows are the
-# references of their temperature.
+# The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).
 T, ARGMAX = TEMPERATURE, {"sample_drafts": False}
 EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "none-t": (T, None), "eagle-t": (T, {}),
               "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
@@ -189,10 +188,8 @@ def run_eagle(args, spec) -> dict:
     for name, (temperature, config) in EAGLE_RUNS.items():
         key = None if config is None else tuple(config.items())
         if key not in engines:
-            engines[key] = workload.make_engine(
-                spec, args, 1, blocks, enable_prefix_caching=False,
-                speculative_config=None if config is None else eagle | config,
-            )  # fmt: skip
+            engines[key] = workload.make_engine(spec, args, 1, blocks, enable_prefix_caching=False,
+                speculative_config=None if config is None else eagle | config)  # fmt: skip
         systems[name] = engine_call(engines[key], temperature)
     target_s = clocked(engines[None].runner, "forward")
     full = lambda scheduled, ks, params: max(ks, default=0) == EAGLE_K  # drafts k tokens
@@ -210,9 +207,8 @@ def run_eagle(args, spec) -> dict:
     return {
         "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",
         "k": EAGLE_K, "num_prompts": len(requests), "max_tokens": args.eagle_max_tokens,
-        "runs": runs,
-        "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
-                       "share": draft / target},
+        "runs": runs, "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
+                                     "share": draft / target},
         "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes),
     }  # fmt: skip
 
@@ -232,7 +228,7 @@ def run(args) -> dict:
         payload["workloads"], payload["batch_sweep"] = run_ngram(args, spec)
     if "eagle" in methods:
         payload["eagle"] = run_eagle(args, spec)
-    workload.finish(payload, args.output_dir, "spec_decode", plot if payload["workloads"] else None)
+    workload.save(payload, args.output_dir, "spec_decode", plot if payload["workloads"] else None)
     return payload
 
 

@@ -125,11 +125,8 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
     return timings
 
 
-DUMMY_NOTE = (
-    "dummy weights: pagedspec and the HF peers each use random weights for the same config; "
-    "with ignore_eos every request makes exactly its requested tokens whatever their values, "
-    "so the work and the throughput do not depend on the weights"
-)
+DUMMY_NOTE = "dummy weights: random, of the same config, for pagedspec and the HF peers (with "
+DUMMY_NOTE += "ignore_eos the work, hence the throughput, does not depend on their values)"
 
 
 # Decode roofline: a step of B sequences reads every matmul weight once and costs 2 FLOP per
@@ -176,10 +173,8 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
-    others = args.peers
-    rates, cost = device_rates(device, dtype), model_cost(spec.config, dtype)
-    if others:
-        hf_model = load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
+    others, rates, cost = args.peers, device_rates(device, dtype), model_cost(spec.config, dtype)
+    hf_model = others and load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
     results = []
     for b in batch_sizes:
@@ -269,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     machine = workload.machine_info(device, "benchmarks.throughput")
     payload = {"benchmark": kind, "machine": machine, "config": config}
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
-    workload.finish(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
+    workload.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
 
 

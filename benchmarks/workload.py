@@ -172,23 +172,17 @@ def machine_info(device: torch.device, module: str) -> dict:
 
 
 def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
-    """Writes ``payload`` to ``out_dir/tag.json``, and with ``plot(payload, path)`` given, its
-    plot to ``out_dir/tag.png`` (named in the payload's "plot")."""
+    """Writes ``payload`` to ``out_dir/tag.json`` and, with ``plot(payload, path)`` given, its
+    plot to ``out_dir/tag.png`` (named in the payload's "plot"); prints its RESULTS.md part."""
+    from benchmarks import report
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plot is not None:
         payload["plot"] = f"{tag}.png"
         plot(payload, out_dir / payload["plot"])
     (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out_dir / tag}.json")
-
-
-def finish(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
-    """``save``, then print the payload's targets and RESULTS.md section."""
-    from benchmarks import report
-
-    save(payload, out_dir, tag, plot)
-    print(report.section(payload, f"{tag}.json"))
+    print(f"wrote {out_dir / tag}.json\n" + report.section(payload, f"{tag}.json"))
 
 
 def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, log: bool) -> None:
@@ -215,4 +209,3 @@ def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, l
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"wrote {path}")
