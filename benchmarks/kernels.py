@@ -1,7 +1,6 @@
 """Paged attention on the CPU: the C++ kernel (backend "cpu", the CPU serving path) against
 gather + SDPA ("torch") on the default model's shape (9 query / 3 KV heads, head dim 64, block 16,
-fp32), batch 64, contexts uniform in 100..1000, per span length. (On CUDA the kernels are checked
-by ``pytest -m gpu`` in ``gpu_check.sh``.)
+fp32), batch 64, contexts uniform in 100..1000, per span (``gpu_check.sh`` checks CUDA kernels).
 """
 
 from functools import partial

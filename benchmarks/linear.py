@@ -1,11 +1,8 @@
 """The model's linear layers over one step: pagedspec's ``Linear`` against plain ``F.linear``.
 
-One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head,
-each with its own weight, so the weights stream from memory as in a real step. ``F.linear`` is
-what HF transformers calls; ``Linear`` (engine/models/layers.py) splits the weight's rows across
-threads for 1-2 rows and runs the packed C++ GEMM (kernels/csrc/cpu_linear.cpp) for more. The two
-alternate, --repeats times each; medians, with the weight bandwidth and FLOP rate they imply.
-Random weights with the shapes of --model (default: SmolLM2-135M).
+One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head (the
+weights stream from memory, as in a step): ``F.linear`` (what HF calls) vs ``Linear`` (a split GEMV
+for 1-2 rows, the packed C++ GEMM for more), alternated --repeats times; medians, GB/s, GFLOP/s.
 """
 
 import torch

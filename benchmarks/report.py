@@ -1,11 +1,7 @@
-"""Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote: every number in it
-comes from those files, and every PASS/MISS is computed from them here (this module owns the
-targets).
-
-    python -m benchmarks.report [--results-dir benchmarks/results] [--output benchmarks/RESULTS.md]
+"""Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote (every number in it
+comes from them) and judges the targets (this module owns them): ``python -m benchmarks.report``.
 """
 
-import argparse
 import json
 import os
 import string
@@ -99,16 +95,11 @@ def render_throughput(p: dict) -> list[str]:
         "TPOT p50 / p99 ms={s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | "
         "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
     )
-    after = [
-        "pagedspec peak KV blocks used / allocated: "
-        + ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
-        + f"; preemptions: {sum(s['preemptions'] for _, s in used)}.",
-        "The ceiling bounds decode alone; the fraction divides generated tokens/s, whose time "
-        "includes prefill, by it.",
-        "",
-        f"![throughput]({{results}}/{p['plot']})",
-        "",
-    ]
+    blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
+    after = [f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
+             f"{sum(s['preemptions'] for _, s in used)}.", "The ceiling bounds decode alone; the "
+             "fraction divides generated tokens/s, whose time includes prefill, by it.", "",
+             f"![throughput]({{results}}/{p['plot']})", ""]  # fmt: skip
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
     return _section(title, notes, columns, rows, after)
 
@@ -127,6 +118,25 @@ def render_latency(p: dict) -> list[str]:
     return _section(f"Latency: {p['model']}", notes, columns, p["results"])
 
 
+SPEC_COLUMNS = (
+    "workload={w} | system={system} | speculation={label} | tok/s={r[tokens_per_s]:.1f} | "
+    "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
+    "tokens/round={r[mean_accepted_length]:.2f} | same tokens={r[same_tokens_as_reference]:.0%}"
+)
+SWEEP_COLUMNS = (
+    "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
+    "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | default tok/s="
+    "{d[tokens_per_s]:.1f} | default / off={ratio_default:.2f} | default acceptance="
+    "{d[acceptance_rate]:.0%}"
+)
+EAGLE_COLUMNS = (
+    "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
+    "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
+    "{r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "same tokens={r[same_tokens_as_reference]:.0%}"
+)
+
+
 def render_spec_decode(p: dict) -> list[str]:
     cfg, rows, lines = p["config"], [], [f"## Speculative decoding: {p['model']}", "", *_machine(p)]
     for w, systems in p["workloads"].items():
@@ -143,13 +153,7 @@ def render_spec_decode(p: dict) -> list[str]:
             f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
             "whose output equals pagedspec's without speculation",
             "",
-            *_table(
-                "workload={w} | system={system} | speculation={label} | "
-                "tok/s={r[tokens_per_s]:.1f} | speedup={speedup:.2f} | "
-                "acceptance={r[acceptance_rate]:.0%} | tokens/round={r[mean_accepted_length]:.2f} "
-                "| same tokens={r[same_tokens_as_reference]:.0%}",
-                rows,
-            ),
+            *_table(SPEC_COLUMNS, rows),
         ]
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
@@ -172,23 +176,16 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
     for r in rows:
         r["d"] = sweep["rows"]["default"].get(r["b"], {})
         r["ratio_default"] = r["d"]["tokens_per_s"] / r["a"]["tokens_per_s"] if r["d"] else None
-    crossover, repeats = sweep["crossover_batch_size"], sweep.get("repeats")
+    crossover = sweep["crossover_batch_size"]
     return [
         "",
         f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, "
         f"{sweep.get('method', 'ngram')} k={sweep['k']} forced on at every batch size vs off; "
-        "'default' is the engine's "
-        f"SpeculativeConfig (speculation off at >= {sweep['default_disable_batch_size']} running "
-        "or waiting sequences)"
-        + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
+        f"'default' is the engine's SpeculativeConfig (speculation off at >= "
+        f"{sweep['default_disable_batch_size']} running or waiting sequences); the configs take "
+        f"turns, best of {sweep['repeats']} runs each.",
         "",
-        *_table(
-            "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
-            "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | "
-            "default tok/s={d[tokens_per_s]:.1f} | default / off={ratio_default:.2f} | "
-            "default acceptance={d[acceptance_rate]:.0%}",
-            rows,
-        ),
+        *_table(SWEEP_COLUMNS, rows),
         "",
         f"Measured crossover (up to B={sweep['largest_batch_size']}): forced speculation is "
         + (f"first slower than none at B={crossover}." if crossover else "never slower than none."),
@@ -209,14 +206,7 @@ def _render_eagle(e: dict) -> list[str]:
         f"{e['num_prompts']} prompts; speedup against no speculation at the same temperature; "
         "'same tokens' as above (greedy only).",
         "",
-        *_table(
-            "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
-            "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
-            "tokens/verification={r[mean_accepted_length]:.2f} | "
-            "acceptance by draft position={by_position} | "
-            "same tokens={r[same_tokens_as_reference]:.0%}",
-            rows,
-        ),
+        *_table(EAGLE_COLUMNS, rows),
         "",
         f"Draft cost: {cost['draft_s_per_token'] * 1e3:.2f} ms per draft token (the median "
         f"`propose` call that drafts k tokens, / k) against {cost['target_step_s'] * 1e3:.2f} ms "
@@ -366,9 +356,5 @@ def render(results_dir: Path, output: Path) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/RESULTS.md"))
-    args = parser.parse_args()
-    args.output.write_text(render(args.results_dir, args.output))
-    print(f"wrote {args.output}")
+    out = Path("benchmarks/RESULTS.md")
+    out.write_text(render(Path("benchmarks/results"), out))

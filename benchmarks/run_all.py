@@ -1,12 +1,6 @@
-"""``make bench``: the CPU-sized sweep of every benchmark, then RESULTS.md regenerated from it.
-
-Sized for a 2-core CPU (about 20 minutes): throughput over batch sizes 1..64 with both HF peers,
-latency at batch 1 and 4, speculative decoding (ngram per k at batch 1 and its batch sweep; EAGLE
-on held-out chat, ~3-4 minutes), the block manager's bookkeeping, the linear layers and the CPU
-attention kernel. Each benchmark runs in its own process, writing to benchmarks/results;
-run_all.json records each command, its exit status and wall time.
-
-    python -m benchmarks.run_all
+"""``make bench``: every benchmark at CPU size (about 20 minutes on 2 cores; EAGLE ~3-4 of them),
+each in its own process writing to benchmarks/results, then RESULTS.md regenerated; run_all.json
+records each command, its exit status and wall time.
 """
 
 import datetime

@@ -1,21 +1,14 @@
 """Speculative decoding: n-gram and EAGLE against no speculation (and n-gram against HF).
 
-ngram: batch 1, greedy, the *grounded* (the answer copies a given passage) and *open* chat prompts
-of data/spec_prompts.jsonl, to EOS or --max-tokens; pagedspec without speculation and with ngram
-k in --k-values, HF ``generate`` plain and with prompt lookup k ('same tokens' checks losslessness).
-Then per workload a batch sweep: prompts cycled to B requests, ngram k=4 forced on at every B vs
-off, and the engine default at the largest B (the crossover ``disable_batch_size`` sits below).
-
-eagle: the EAGLE head (--eagle-head; default: the one shipped for the default model), held-out
-chat prompts (data/chat_heldout.jsonl), batch 1, k=4: no speculation and eagle at temperature 0
-and 0.8, at 0.8 also argmax drafts of the same head (``sample_drafts=False``). Tokens per
-verification, acceptance per draft position, speedups, and the draft cost: the median wall time of
-the proposer's ``propose`` calls that draft k tokens, per token, over the median target
-``ModelRunner.forward`` without speculation (a decode step), both timed by wrapping those methods.
-Then the engine default (method eagle) vs no speculation at --eagle-batch-sizes.
-
-Batch-1 configurations take turns on each prompt after a warm-up pass, so a disturbance of a
-shared machine falls on all alike; sweeps keep each configuration's fastest of 2 rounds.
+ngram: batch 1, greedy, the *grounded* (answers copy a given passage) and *open* chat prompts of
+data/spec_prompts.jsonl; pagedspec without and with ngram k in --k-values, HF ``generate`` plain
+and with prompt lookup k. eagle: the EAGLE head (--eagle-head; default: the one shipped for the
+default model) on held-out chat (data/chat_heldout.jsonl), batch 1, k=4, at temperature 0 and 0.8
+(also argmax drafts, ``sample_drafts=False``): speedups, tokens per verification, acceptance per
+draft position, and the draft cost: median ``propose`` call drafting k tokens, per token, over the
+median target ``ModelRunner.forward`` without speculation (both timed by wrapping the methods).
+Batch-1 configurations take turns on each prompt after a warm-up pass (stop at EOS or max tokens).
+Then per method a batch sweep: off, forced on at every B, and the engine default (see ``sweep``).
 """
 
 import itertools
@@ -50,12 +43,10 @@ def hf_generate(model, request: BenchRequest, k: int | None) -> tuple[float, lis
         eos_token_id=model.generation_config.eos_token_id, pad_token_id=pad_id(model),
     )  # fmt: skip
     ids = torch.tensor([request.prompt_ids], device=model.device)
-    start = time.perf_counter()
-    mask = torch.ones_like(ids)
+    mask, start = torch.ones_like(ids), time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return time.perf_counter() - start, out[0, len(request.prompt_ids) :].tolist(), {}
+    tokens = out[0, len(request.prompt_ids) :].tolist()  # on CUDA, waits for the work
+    return time.perf_counter() - start, tokens, {}
 
 
 def engine_call(engine, temperature: float = 0.0):
@@ -69,8 +60,8 @@ def engine_call(engine, temperature: float = 0.0):
 
 
 def take_turns(systems: dict, requests: list[BenchRequest]) -> dict[str, dict]:
-    """Each system (name: call) on each request in turn, after a warm-up on the first: tokens/s,
-    speculation figures where it drafted, and the outputs (for 'same tokens')."""
+    """Each system (name: call) on each request in turn after a warm-up pass: tokens/s, figures
+    of its speculation, and its outputs (for ``same_tokens``)."""
     done = {name: [] for name in systems}
     for i, r in enumerate([requests[0], *requests]):
         for name, call in systems.items():
@@ -93,8 +84,7 @@ def take_turns(systems: dict, requests: list[BenchRequest]) -> dict[str, dict]:
 
 
 def same_tokens(results: dict[str, dict], reference: str, names) -> None:
-    """'same_tokens_as_reference' of ``names``: the share of prompts whose output equals the
-    reference's; the outputs are dropped."""
+    """Each of ``names``' share of outputs equal to the reference's (the outputs are dropped)."""
     ref = results[reference]["outputs"]
     for name in names:
         out = results[name].pop("outputs")

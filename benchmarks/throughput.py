@@ -1,22 +1,16 @@
 """Offline throughput and latency: pagedspec against HF transformers peers, over batch sizes.
 
-Throughput (the default). Per batch size B (pagedspec's ``max_num_seqs``, the peers' batch):
-B x --waves requests of seeded random prompt and output lengths, submitted at once, greedy,
-ignore_eos; a smaller B's requests are a prefix of a larger one's. One wave keeps a 2-core CPU
-sweep short; more waves queue requests behind the running ones, where continuous batching gains
-over static batches. Per system: generated and total tokens/s, requests/s, TTFT and TPOT (median,
-p99) from submission; pagedspec's peak KV blocks and preemptions, and its share of the decode
-ceiling measured on this device (below; the share counts prefill time too).
+Throughput: per batch size B, B x --waves requests of seeded random lengths submitted at once,
+greedy, ignore_eos (a smaller B's requests are a prefix of a larger one's; more waves queue
+requests behind the running ones). Generated and total tokens/s, requests/s, TTFT and TPOT from
+submission; pagedspec's KV blocks, preemptions and share of the measured decode ceiling. Peers:
+``hf-static``, ``generate`` over static left-padded batches of B, each run to its longest output
+(only each request's own tokens count); ``hf-batch``, HF's paged continuous batching driven
+directly (each request its own length), at most B requests and MAX_BATCH_TOKENS per step.
 
-Peers: ``hf-static``, HF ``generate`` over static left-padded batches of B requests in order,
-each run to its longest output (only each request's own tokens count); ``hf-batch``, HF's paged
-continuous batching (its manager driven directly, so each request has its own length), at most B
-requests and MAX_BATCH_TOKENS per step. Both are timed like pagedspec: from submission.
-
-Latency (--latency): pagedspec alone, without and with ngram k=4. Each iteration submits B
-grounded chat prompts (taken in turn) at once, each making exactly --output-len tokens, after
---warmup-iters untimed ones; TTFT, TPOT and whole-batch latency, p50 / p90 / p99. Prefix caching
-is off so every iteration pays for its prefill.
+Latency (--latency): pagedspec without and with ngram k=4; each iteration submits B grounded chat
+prompts, each making --output-len tokens, after --warmup-iters untimed ones; TTFT, TPOT and
+whole-batch latency percentiles. Prefix caching is off so every iteration pays for its prefill.
 """
 
 import argparse
@@ -135,8 +129,7 @@ DUMMY_NOTE += "ignore_eos the work, hence the throughput, does not depend on the
 
 
 def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
-    """Copy bandwidth (read + write bytes) and GEMM rate, each the fastest of 5 calls, at sizes
-    past the caches and launch overheads: what the device can do, not what it did under load."""
+    """Copy bandwidth (read + write) and GEMM rate past caches and launch costs, fastest of 5."""
     copy_bytes, n = (2 << 30, 8192) if device.type == "cuda" else (256 << 20, 2048)
     fastest = lambda fn: min(time_calls(fn, 5, device=device))
     src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)

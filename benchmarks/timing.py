@@ -1,8 +1,5 @@
-"""Every benchmark's clock: percentiles, timed calls, and the TTFT / TPOT of a timed engine run.
-
-TTFT: from submission to a request's first output token. TPOT: the mean time per output token
-after the first, (last - first) / (tokens - 1).
-"""
+"""Every benchmark's clock: percentiles, timed calls, and the TTFT (submission to first output
+token) / TPOT (mean time per output token after the first) of a timed engine run."""
 
 import math
 import time
@@ -42,8 +39,7 @@ def time_calls(
 
 
 def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True) -> list[float]:
-    """Wraps the method ``obj.name`` so that the wall seconds of each call for which
-    ``keep(*args)`` holds land in the list returned."""
+    """Wraps ``obj.name``: the seconds of each call for which ``keep(*args)`` holds are kept."""
     fn, times = getattr(obj, name), []
 
     def wrapper(*args, **kwargs):

@@ -1,6 +1,5 @@
-"""What the benchmarks share: their common flags, the model, the requests and the engine that
-serves them, and what they write (JSON with the machine and the command, a plot, and their
-RESULTS.md section)."""
+"""What the benchmarks share: common flags, the model, requests, the engine serving them, and what
+they write (JSON with the machine and command, a plot, their RESULTS.md part)."""
 
 import argparse
 import datetime
@@ -26,8 +25,7 @@ WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in data/spec_prompt
 
 
 BenchRequest = namedtuple("BenchRequest", "prompt_ids output_len")
-# Where pagedspec (EngineConfig.model, load_format) and the HF peers (hf_path; None: random
-# weights from config) get the model from.
+# Where pagedspec (engine_model, load_format) and HF (hf_path; None: random weights) get the model.
 ModelSpec = namedtuple("ModelSpec", "engine_model load_format hf_path config tokenizer name")
 
 
