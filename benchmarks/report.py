@@ -324,7 +324,8 @@ def targets(p: dict) -> list[dict]:
 
 def _targets_table(payloads: list[dict]) -> list[str]:
     rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
-    columns = "target={name} | measured={value:.2f}{unit} | threshold={op} {threshold}{unit} | "
+    rows = [r | {"shown": None if r["value"] is None else r["unit"]} for r in rows]
+    columns = "target={name} | measured={value:.2f}{shown} | threshold={op} {threshold}{unit} | "
     return ["## Targets", "", *_table(columns + "=**{verdict}**", rows), ""] if rows else []
 
 
