@@ -1,23 +1,14 @@
 """The model's linear layers over one step: pagedspec's ``Linear`` against plain ``F.linear``.
 
-One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head,
-each with its own weight (as in a real step, the weights stream from memory rather than sit in
-cache). ``F.linear`` is what HF transformers calls; ``Linear`` (engine/models/layers.py) splits
-the weight's rows across the CPU threads for 1-2 rows and runs the C++ kernel of
-kernels/csrc/cpu_linear.cpp on a packed weight for more. The two are timed alternately,
-``--repeats`` times each, and the median is reported with the weight bandwidth and the FLOP rate
-it implies. Random weights with the shapes of the default model (SmolLM2-135M), of --model or
-of --model-config.
-
-    python -m benchmarks.linear [--rows 1,2,4,8,16,32,64,128,256] [--output-dir DIR]
+One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head (the
+weights stream from memory, as in a step): ``F.linear`` (what HF calls) vs ``Linear`` (a split GEMV
+for 1-2 rows, the packed C++ GEMM for more), alternated --repeats times; medians, GB/s, GFLOP/s.
 """
-
-import argparse
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import output, report
+from benchmarks import workload
 from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list, resolve_model
 
@@ -26,21 +17,17 @@ from engine.models import get_model_class
 from engine.models.layers import Linear
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
+def build_parser():
+    parser = workload.parser(__doc__, model=False)
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
-    parser.add_argument("--model-config", default=None, help="a benchmarks/model_configs name")
+    parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output-dir", default="benchmarks/results")
     return parser
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args) -> dict:
     rows_list = parse_int_list(args.rows, "rows")
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
-    spec = resolve_model(args.model, "dummy" if args.model_config else "auto", args.model_config)
+    spec = resolve_model(args.model, "auto", None)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = get_model_class(spec.config)(spec.config).eval()
@@ -55,10 +42,8 @@ def run(args: argparse.Namespace) -> dict:
 
         def one_pass(plain: bool, inputs=inputs) -> None:
             for m in layers:
-                if plain:
-                    F.linear(inputs[m.in_features], m.weight, m.bias)
-                else:
-                    m(inputs[m.in_features])
+                x = inputs[m.in_features]
+                F.linear(x, m.weight, m.bias) if plain else m(x)
 
         times: dict[bool, list[float]] = {True: [], False: []}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
@@ -67,37 +52,17 @@ def run(args: argparse.Namespace) -> dict:
                 for plain in times:
                     times[plain] += time_calls(lambda plain=plain: one_pass(plain), 1, warmup=0)
         plain_s, ours_s = percentile(times[True], 50), percentile(times[False], 50)
-        results.append(
-            {
-                "rows": rows,
-                "f_linear_ms": plain_s * 1e3,
-                "linear_ms": ours_s * 1e3,
-                "speedup": plain_s / ours_s,
-                "linear_gbs": weight_bytes / ours_s / 1e9,
-                "linear_gflops": 2 * params * rows / ours_s / 1e9,
-            }
-        )
-        print(
-            f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms",
-            flush=True,
-        )
-    payload = {
-        "benchmark": "linear",
-        "machine": output.machine_info(torch.device("cpu"), "benchmarks.linear"),
-        "model": spec.name,
-        "threads": torch.get_num_threads(),
-        "weight_bytes": weight_bytes,
-        "repeats": args.repeats,
-        "results": results,
-    }
-    output.save(payload, args.output_dir, "linear")
-    print(report.section(payload, "linear.json"))
+        results.append({"rows": rows, "f_linear_ms": plain_s * 1e3, "linear_ms": ours_s * 1e3,
+            "speedup": plain_s / ours_s, "linear_gbs": weight_bytes / ours_s / 1e9,
+            "linear_gflops": 2 * params * rows / ours_s / 1e9})  # fmt: skip
+        print(f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms")
+    machine = workload.machine_info(torch.device("cpu"), "benchmarks.linear")
+    payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
+               "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
+               "repeats": args.repeats, "results": results}  # fmt: skip
+    workload.save(payload, args.output_dir, "linear")
     return payload
 
 
-def main() -> None:
-    run(build_parser().parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    run(build_parser().parse_args())

@@ -1,10 +1,7 @@
-"""Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote: every number in it
-comes from those files, and every PASS/MISS is computed from them here.
-
-    python -m benchmarks.report [--results-dir benchmarks/results] [--output benchmarks/RESULTS.md]
+"""Regenerates benchmarks/RESULTS.md from the JSON files the benchmarks wrote (every number in it
+comes from them) and judges the targets (this module owns them): ``python -m benchmarks.report``.
 """
 
-import argparse
 import json
 import os
 import string
@@ -12,18 +9,25 @@ from pathlib import Path
 
 # Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
 THROUGHPUT_TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
-# Speculation targets on the development CPU. Grounded workload: the best ngram k against no
-# speculation and against HF's best prompt-lookup k; the sweep's largest batch: the engine default
-# against no speculation.
+# Speculation (grounded workload: the best ngram k against no speculation and against HF's best
+# prompt-lookup k; the sweeps' batches: the engine default against no speculation).
 SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
+# Issue 14's EAGLE targets, batch 1 on held-out chat: tokens per verification (k=4, greedy),
+# speedup greedy and at temperature 0.8 (sampled acceptance must beat argmax drafts').
+EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
+EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
+    "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
 
 class _Cells(string.Formatter):
     """str.format for table rows: a missing or None value renders as an empty cell; the spec "ms"
     shows seconds in milliseconds, and a float spec with an "x" after it (".2fx") a ratio."""
 
-    def get_value(self, key: int | str, args: tuple, kwargs: dict) -> object:
-        return kwargs.get(key) if isinstance(key, str) else args[key]
+    def get_field(self, name: str, args: tuple, kwargs: dict) -> tuple:
+        try:
+            return super().get_field(name, args, kwargs)
+        except (KeyError, TypeError):  # missing, or inside a missing value
+            return None, name
 
     def format_field(self, value: object, spec: str) -> str:
         if value is None:
@@ -33,18 +37,19 @@ class _Cells(string.Formatter):
         return format(value, spec[:-1]) + "x" if spec.endswith("fx") else format(value, spec)
 
 
-def _row(template: str, *args: object, **kwargs: object) -> str:
-    return "| " + _Cells().format(template, *args, **kwargs) + " |"
+def _table(columns: str, rows: list[dict]) -> list[str]:
+    """A markdown table; ``columns``: "header=cell template | ..." (each template formatted with
+    a row's items)."""
+    cols = [c.split("=", 1) for c in columns.split(" | ")]
+    template = " | ".join(cell for _, cell in cols)
+    head = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    return head + ["| " + _Cells().format(template, **r) + " |" for r in rows]
 
 
-def _table(header: str, rows: list[str]) -> list[str]:
-    """A markdown table; ``header`` holds the column names separated by " | "."""
-    return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1), *rows]
-
-
-def _section(title: str, notes: list[str], header: str, rows: list[str]) -> list[str]:
-    """A section of the page: its title, notes (a bulleted list) and table."""
-    return [f"## {title}", "", *notes, *([""] if notes else []), *_table(header, rows), ""]
+def _section(title: str, notes: list[str], columns: str, rows: list[dict], after=()) -> list:
+    """A section of the page: its title, notes (a bulleted list), table and lines after it."""
+    notes = [*notes, ""] if notes else []
+    return [f"## {title}", "", *notes, *_table(columns, rows), "", *after]
 
 
 def _machine(p: dict) -> list[str]:
@@ -60,156 +65,171 @@ def _machine(p: dict) -> list[str]:
 
 
 def render_throughput(p: dict) -> list[str]:
-    model, rates, cfg = p["model"], p["roofline"], p["config"]
-    weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
-    template = (
-        "{b} | {n} | {s[output_tokens_per_s]:.1f} | {s[total_tokens_per_s]:.1f} | "
-        "{s[requests_per_s]:.2f} | {s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
-        "{s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | {ratio:.2f} | {ceiling:.0f} | {share:.1%}"
-    )
-    rows = []
+    model, rates, cfg, rows = p["model"], p["roofline"], p["config"], []
     for r in p["results"]:
         for n, s in r["systems"].items():
-            if "error" in s:
-                error = "{} | {} | unavailable: {} |  |  |  |  |  |  | "
-                rows.append(_row(error, r["batch_size"], n, s["error"]))
-                continue
-            ours = n == "pagedspec"
-            ceiling = {"ceiling": r["ceiling_tokens_per_s"], "share": r["roofline_fraction"]}
-            row = {"b": r["batch_size"], "n": n, "s": s, "ratio": r["ratios"].get(n)}
-            rows.append(_row(template, **row, **(ceiling if ours else {})))
+            row = {"b": r["batch_size"], "n": n, "s": s, "r": r["ratios"].get(n)}
+            if n == "pagedspec":
+                row |= {"c": r["ceiling_tokens_per_s"], "f": r["roofline_fraction"]}
+            if "error" in s:  # a peer that could not run is reported, not faked
+                row |= {"s": None, "error": f"unavailable: {s['error']}"}
+            rows.append(row)
     used = [(r["batch_size"], r["systems"]["pagedspec"]) for r in p["results"]]
-    return [
-        f"## Throughput: {model['name']} ({model['dtype']}, {weights} weights)",
-        "",
+    weights = "dummy" if model["load_format"] == "dummy" else "checkpoint"
+    notes = [
         *_machine(p),
         f"- workload: per batch size B, {cfg['waves']} x B requests submitted at once, "
         f"input {cfg['input_len']} tokens, output {cfg['output_len']} tokens (uniform, seed "
-        f"{cfg['seed']}), greedy, ignore_eos; speculation: {cfg['speculative_method'] or 'off'}",
+        f"{cfg['seed']}), greedy, ignore_eos",
         f"- each system's fastest of {cfg.get('repeats', 1)} timed runs (the systems take turns; "
         "pagedspec from a fresh engine each run, so no run hits the prefix cache)",
         f"- weights: {p['weights_note']}",
         f"- measured ceilings: copy {rates['bandwidth_gbs']:.1f} GB/s, {rates['dtype']} GEMM "
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
         f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
-        "",
-        *_table(
-            "B | system | out tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-            "| pagedspec / peer | decode ceiling tok/s | of ceiling",
-            rows,
-        ),
-        "",
-        "pagedspec peak KV blocks used / allocated: "
-        + ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
-        + f"; preemptions: {sum(s['preemptions'] for _, s in used)}.",
-        "The ceiling bounds decode alone; the fraction divides generated tokens/s, whose time "
-        "includes prefill, by it.",
-        "",
-        f"![throughput]({{results}}/{p['plot']})",
-        "",
     ]
+    columns = (
+        "B={b} | system={n} | out tok/s={error}{s[output_tokens_per_s]:.1f} | "
+        "total tok/s={s[total_tokens_per_s]:.1f} | req/s={s[requests_per_s]:.2f} | "
+        "TTFT p50 / p99 ms={s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
+        "TPOT p50 / p99 ms={s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | "
+        "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
+    )
+    blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
+    after = [f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
+             f"{sum(s['preemptions'] for _, s in used)}.", "The ceiling bounds decode alone; the "
+             "fraction divides generated tokens/s, whose time includes prefill, by it.", "",
+             f"![throughput]({{results}}/{p['plot']})", ""]  # fmt: skip
+    title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
+    return _section(title, notes, columns, rows, after)
 
 
 def render_latency(p: dict) -> list[str]:
     cfg = p["config"]
-    q = " | ".join(
-        f"{{{key}[p50]:ms}} / {{{key}[p90]:ms}} / {{{key}[p99]:ms}}"
-        for key in ("ttft_s", "tpot_s", "batch_latency_s")
-    )
-    rows = [
-        _row(f"{{config}} | {{batch_size}} | {q} | {{acceptance_rate:.0%}}", **r)
-        for r in p["results"]
-    ]
+    q = lambda k: f"{{{k}[p50]:ms}} / {{{k}[p90]:ms}} / {{{k}[p99]:ms}}"
     notes = [
         *_machine(p),
         f"- workload: grounded chat prompts, {cfg['output_len']} output tokens each (ignore_eos), "
         f"{cfg['warmup_iters']} warm-up + {cfg['iters']} measured iterations per row",
     ]
-    header = "config | B | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | batch ms | acceptance"
-    return _section(f"Latency: {p['model']}", notes, header, rows)
+    columns = f"config={{config}} | B={{batch_size}} | TTFT p50/p90/p99 ms={q('ttft_s')} | "
+    columns += f"TPOT p50/p90/p99 ms={q('tpot_s')} | batch ms={q('batch_latency_s')} | "
+    columns += "acceptance={acceptance_rate:.0%}"
+    return _section(f"Latency: {p['model']}", notes, columns, p["results"])
+
+
+SPEC_COLUMNS = (
+    "workload={w} | system={system} | speculation={label} | tok/s={r[tokens_per_s]:.1f} | "
+    "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
+    "tokens/round={r[mean_accepted_length]:.2f} | same tokens={r[same_tokens_as_reference]:.0%}"
+)
+SWEEP_COLUMNS = (
+    "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
+    "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | default tok/s="
+    "{d[tokens_per_s]:.1f} | default / off={ratio_default:.2f} | default acceptance="
+    "{d[acceptance_rate]:.0%}"
+)
+EAGLE_COLUMNS = (
+    "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
+    "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
+    "{r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "same tokens={r[same_tokens_as_reference]:.0%}"
+)
 
 
 def render_spec_decode(p: dict) -> list[str]:
-    cfg, rows = p["config"], []
-    template = (
-        "{w} | {system} | {label} | {r[tokens_per_s]:.1f} | {speedup:.2f} | "
-        "{acc:.0%} | {tokens_per_round:.2f} | {r[same_tokens_as_reference]:.0%}"
-    )
+    cfg, rows, lines = p["config"], [], [f"## Speculative decoding: {p['model']}", "", *_machine(p)]
     for w, systems in p["workloads"].items():
         for system, runs in systems.items():
-            ours = system == "pagedspec"
+            ours, none = system == "pagedspec", runs["none"]["tokens_per_s"]
             for k, r in runs.items():
                 label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
-                rows.append(_row(
-                    template, w=w, r=r, system="pagedspec" if ours else "HF generate",
-                    label="no speculation" if k == "none" else label,
-                    speedup=r["tokens_per_s"] / runs["none"]["tokens_per_s"],
-                    acc=r.get("acceptance_rate"), tokens_per_round=r.get("mean_accepted_length"),
-                ))  # fmt: skip
-    lines = [
-        f"## Speculative decoding: {p['model']}",
-        "",
-        *_machine(p),
-        f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
-        f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
-        "whose output equals pagedspec's without speculation",
-        "",
-        *_table(
-            "workload | system | speculation | tok/s | speedup | acceptance | tokens/round "
-            "| same tokens",
-            rows,
-        ),
-    ]
+                rows.append({"w": w, "r": r, "speedup": r["tokens_per_s"] / none,
+                    "label": "no speculation" if k == "none" else label,
+                    "system": "pagedspec" if ours else "HF generate"})  # fmt: skip
+    if rows:
+        lines += [
+            f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
+            f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
+            "whose output equals pagedspec's without speculation",
+            "",
+            *_table(SPEC_COLUMNS, rows),
+        ]
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
-    return [*lines, "", f"![speedup vs k]({{results}}/{p['plot']})", ""]
+    lines += _render_eagle(p["eagle"]) if p.get("eagle") else []
+    return [*lines, "", *([f"![speedup vs k]({{results}}/{p['plot']})", ""] if rows else [])]
+
+
+def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
+    """Per batch size: both configs' rows, and the second's tokens/s over the first's."""
+    out = []
+    for b, a in rows[names[0]].items():
+        c = rows[names[1]].get(b, {})
+        ratio = c.get("tokens_per_s") and c["tokens_per_s"] / a["tokens_per_s"]
+        out.append({"b": b, "a": a, "c": c, "ratio": ratio})
+    return out
 
 
 def _render_sweep(workload: str, sweep: dict) -> list[str]:
-    template = "{b} | {off:.1f} | {forced:.1f} | {ratio:.2f} | {acc:.0%} | {default:.1f}"
-    rows = []
-    for b, off in sweep["rows"]["off"].items():
-        forced, default = sweep["rows"]["forced"][b], sweep["rows"]["default"].get(b, {})
-        rows.append(_row(
-            template, b=b, off=off["tokens_per_s"], forced=forced["tokens_per_s"],
-            ratio=forced["tokens_per_s"] / off["tokens_per_s"], acc=forced["acceptance_rate"],
-            default=default.get("tokens_per_s"),
-        ))  # fmt: skip
-    crossover, repeats = sweep["crossover_batch_size"], sweep.get("repeats")
+    rows = _sweep_rows(sweep["rows"], ("off", "forced"))
+    for r in rows:
+        r["d"] = sweep["rows"]["default"].get(r["b"], {})
+        r["ratio_default"] = r["d"]["tokens_per_s"] / r["a"]["tokens_per_s"] if r["d"] else None
+    crossover = sweep["crossover_batch_size"]
     return [
         "",
-        f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, ngram "
-        f"k={sweep['k']} forced on at every batch size vs off; 'default' is the engine's "
-        f"SpeculativeConfig (speculation off at >= {sweep['default_disable_batch_size']} running "
-        "or waiting sequences)"
-        + (f"; the configs take turns, best of {repeats} runs each." if repeats else "."),
+        f"Batch sweep, {workload} prompts: up to {sweep['max_tokens']} tokens, "
+        f"{sweep.get('method', 'ngram')} k={sweep['k']} forced on at every batch size vs off; "
+        f"'default' is the engine's SpeculativeConfig (speculation off at >= "
+        f"{sweep['default_disable_batch_size']} running or waiting sequences); the configs take "
+        f"turns, best of {sweep['repeats']} runs each.",
         "",
-        *_table("B | off tok/s | forced tok/s | forced / off | acceptance | default tok/s", rows),
+        *_table(SWEEP_COLUMNS, rows),
         "",
-        f"Measured crossover: forced speculation is first slower than none at B={crossover}."
-        if crossover
-        else "Measured crossover: forced speculation was never slower than none up to "
-        f"B={sweep['largest_batch_size']}.",
+        f"Measured crossover (up to B={sweep['largest_batch_size']}): forced speculation is "
+        + (f"first slower than none at B={crossover}." if crossover else "never slower than none."),
+    ]
+
+
+def _render_eagle(e: dict) -> list[str]:
+    runs, cost = e["runs"], e["draft_cost"]
+    reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
+    rows = [{"label": EAGLE_LABELS[name], "r": r,
+             "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+             "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
+            for name, r in runs.items()]  # fmt: skip
+    return [
+        "",
+        f"EAGLE, held-out open chat prompts (`benchmarks/data/chat_heldout.jsonl`), head: "
+        f"{e['head']}. Batch 1, k={e['k']}, up to {e['max_tokens']} tokens (stop at EOS), "
+        f"{e['num_prompts']} prompts; speedup against no speculation at the same temperature; "
+        "'same tokens' as above (greedy only).",
+        "",
+        *_table(EAGLE_COLUMNS, rows),
+        "",
+        f"Draft cost: {cost['draft_s_per_token'] * 1e3:.2f} ms per draft token (the median "
+        f"`propose` call that drafts k tokens, / k) against {cost['target_step_s'] * 1e3:.2f} ms "
+        "per target decode step (the median `ModelRunner.forward` without speculation): "
+        f"{cost['share']:.1%} of a target step.",
+        *_render_sweep("held-out chat", e["batch_sweep"]),
     ]
 
 
 def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
-    template = "{on} | " + " | ".join(f"{{r[{k}_us]:.1f}}" for k in us)
-    rows = [_row(template, on="on" if r["prefix_caching"] else "off", r=r) for r in p["results"]]
+    rows = [{"on": "on" if r["prefix_caching"] else "off", "r": r} for r in p["results"]]
     notes = [
         "- config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + f"; python {p['python']}",
         f"- raw numbers: [{p['_file']}]({{results}}/{p['_file']})",
         f"- µs per step for {cfg['num_seqs']} sequences, 1 + {cfg['lookahead']} slots each, "
         f"block size {cfg['block_size']} (append, slot ids, truncate, commit)",
     ]
-    header = "prefix cache | " + " | ".join(us)
-    return _section("KV block manager bookkeeping", notes, header, rows)
+    columns = "prefix cache={on} | " + " | ".join(f"{k}={{r[{k}_us]:.1f}}" for k in us)
+    return _section("KV block manager bookkeeping", notes, columns, rows)
 
 
 def render_linear(p: dict) -> list[str]:
-    template = "{rows} | {f_linear_ms:.1f} | {linear_ms:.1f} | {speedup:.2fx} | {linear_gbs:.1f}"
-    rows = [_row(template + " | {linear_gflops:.0f}", **r) for r in p["results"]]
     notes = [
         *_machine(p),
         f"- one pass = every projection of every layer plus the LM head "
@@ -217,15 +237,15 @@ def render_linear(p: dict) -> list[str]:
         f"passes, {p['threads']} threads",
     ]
     title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
-    header = "rows | F.linear ms | Linear ms | speedup | Linear GB/s | Linear GFLOP/s"
-    return _section(f"{title} ({p['model']})", notes, header, rows)
+    columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | Linear ms={linear_ms:.1f} | "
+    columns += "speedup={speedup:.2fx} | Linear GB/s={linear_gbs:.1f} | "
+    columns += "Linear GFLOP/s={linear_gflops:.0f}"
+    return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
         return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
-    template = "{span} | {backend} | {median_us:.0f} | {gb_per_s:.1f} | "
-    template += "{ms_per_step_30_layers:.1f} | {speedup_vs_torch:.2fx}"
     notes = [
         *_machine(p),
         f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
@@ -233,42 +253,38 @@ def render_kernels(p: dict) -> list[str]:
         f"100..1000; {p['threads']} threads",
     ]
     title = "Paged attention on the CPU: C++ kernel (`cpu`) vs gather + SDPA (`torch`)"
-    header = "span | backend | median µs | K/V GB/s | ms per 30 layers | vs torch"
-    return _section(title, notes, header, [_row(template, **r) for r in p["rows"]])
+    columns = "span={span} | backend={backend} | median µs={median_us:.0f} | "
+    columns += "K/V GB/s={gb_per_s:.1f} | ms per 30 layers={ms_per_step_30_layers:.1f} | "
+    columns += "vs torch={speedup_vs_torch:.2fx}"
+    return _section(title, notes, columns, p["rows"])
 
 
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
-    rows = [_row("{name} | {seconds:.0f} | {returncode} | `{command}`", **r) for r in p["runs"]]
     title = f"Run: `python -m benchmarks.run_all` ({kind}, {p['total_s'] / 60:.1f} min{when})"
-    return _section(title, [], "benchmark | seconds | exit | command", rows)
+    columns = "benchmark={name} | seconds={seconds:.0f} | exit={returncode} | command=`{command}`"
+    return _section(title, [], columns, p["runs"])
 
 
-RENDERERS = {
-    "throughput": render_throughput,
-    "latency": render_latency,
-    "spec_decode": render_spec_decode,
-    "block_manager": render_block_manager,
-    "linear": render_linear,
-    "kernels": render_kernels,
-    "run_all": render_run_all,
-}
+# benchmark name: its renderer, in the page's order.
+NAMES = ("throughput", "latency", "spec_decode", "block_manager", "linear", "kernels", "run_all")
+RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
 def targets(p: dict) -> list[dict]:
-    """The targets ``p``'s benchmark measured: name, value, threshold and whether it passed."""
-    found = []  # (name, value, threshold)
+    """The targets ``p``'s benchmark measured: name, value, threshold, whether it passed."""
+    found = []  # (name, value, threshold[, unit, strictly above])
     if p["benchmark"] == "throughput":
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec vs {peer}"
                 found.append((name, ratios[b][peer], least))
-    grounded = p["workloads"].get("grounded") if p["benchmark"] == "spec_decode" else None
+    grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.
-        best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")  # noqa: E731
+        best = lambda runs: max((r["tokens_per_s"], k) for k, r in runs.items() if k != "none")
         ours, k = best(grounded["pagedspec"])
         name = f"grounded: ngram (best k={k}) vs pagedspec without speculation"
         found.append((name, ours / grounded["pagedspec"]["none"]["tokens_per_s"], SPEC_VS_OURS))
@@ -278,19 +294,39 @@ def targets(p: dict) -> list[dict]:
             found.append((name, ours / hf, SPEC_VS_HF_LOOKUP))
     for w, sweep in (p.get("batch_sweep") or {}).items():
         name = f"{w}, batch {sweep['largest_batch_size']}: engine default ngram k={sweep['k']}"
-        name += " vs no speculation"
-        found.append((name, sweep["default_vs_off_at_largest"], SPEC_LARGE_BATCH))
-    return [{"name": n, "value": v, "threshold": t, "passed": v >= t} for n, v, t in found]
+        value = sweep["default_vs_off_at_largest"]
+        found.append((name + " vs no speculation", value, SPEC_LARGE_BATCH))
+    if p.get("eagle"):
+        e = p["eagle"]
+        tps = {n: r["tokens_per_s"] for n, r in e["runs"].items()}
+        acc = {n: r.get("acceptance_rate") for n, r in e["runs"].items()}
+        sampled = (acc["eagle-t"] or 0) / acc["eagle-t-argmax"] if acc["eagle-t-argmax"] else None
+        found += [
+            (f"eagle: tokens per verification, k={e['k']}, greedy",
+             e["runs"]["eagle"].get("mean_accepted_length"), EAGLE_TOKENS_PER_ROUND, ""),
+            ("eagle: speedup vs no speculation, greedy", tps["eagle"] / tps["none"], EAGLE_SPEEDUP),
+            ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
+             EAGLE_SPEEDUP_SAMPLED),
+            ("eagle: acceptance at temperature 0.8, sampled / argmax drafts", sampled, 1.0, "x",
+             True),
+        ]  # fmt: skip
+        for row in _sweep_rows(e["batch_sweep"]["rows"], ("off", "default")):
+            name = f"eagle, batch {row['b']}: engine default vs no speculation"
+            found.append((name, row["ratio"], SPEC_LARGE_BATCH))
+    out = []
+    for f in found:  # (name, value, threshold), then unit ("x") and strictly above (False)
+        name, value, threshold, unit, strict = (*f, *("x", False)[len(f) - 3 :])
+        passed = value is not None and (value > threshold if strict else value >= threshold)
+        out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
+                    "op": ">" if strict else ">=", "passed": passed})  # fmt: skip
+    return out
 
 
 def _targets_table(payloads: list[dict]) -> list[str]:
-    template = "{name} | {value:.2f}x | >= {threshold}x | **{verdict}**"
-    rows = [
-        _row(template, **t, verdict="PASS" if t["passed"] else "MISS")
-        for p in payloads
-        for t in targets(p)
-    ]
-    return ["## Targets", "", *_table("target | measured | threshold | ", rows), ""] if rows else []
+    rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
+    rows = [r | {"shown": None if r["value"] is None else r["unit"]} for r in rows]
+    columns = "target={name} | measured={value:.2f}{shown} | threshold={op} {threshold}{unit} | "
+    return ["## Targets", "", *_table(columns + "=**{verdict}**", rows), ""] if rows else []
 
 
 def section(payload: dict, file: str) -> str:
@@ -300,41 +336,26 @@ def section(payload: dict, file: str) -> str:
 
 
 def render(results_dir: Path, output: Path) -> str:
-    """RESULTS.md's text for the JSON files in ``results_dir``, with links relative to
-    ``output``'s folder."""
+    """RESULTS.md's text for the JSON files in ``results_dir``, links relative to ``output``."""
     payloads = []
     for path in sorted(results_dir.glob("*.json")):
         p = json.loads(path.read_text())
         # block_manager.json carried no name before: its file's says it.
         p |= {"benchmark": p.get("benchmark", path.stem), "_file": path.name}
-        if p["benchmark"] in RENDERERS:
-            payloads.append(p)
+        payloads += [p] if p["benchmark"] in RENDERERS else []
     if not payloads:
         raise ValueError(f"no benchmark JSON files in {results_dir}")
-    payloads.sort(key=lambda p: list(RENDERERS).index(p["benchmark"]))
-    lines = [
-        "# Benchmark results",
-        "",
-        "Generated by `python -m benchmarks.report` from the JSON files in "
-        f"`{results_dir}`; do not edit by hand. `make bench` reruns the CPU sweep "
-        "(`python -m benchmarks.run_all`) and regenerates this page.",
-        "",
-        *_targets_table(payloads),
-    ]
+    payloads.sort(key=lambda p: NAMES.index(p["benchmark"]))
+    lines = ["# Benchmark results", "", "Generated by `python -m benchmarks.report` from the JSON "
+             f"files in `{results_dir}`; do not edit by hand. `make bench` reruns the CPU sweep "
+             "(`python -m benchmarks.run_all`) and regenerates this page.", "",
+             *_targets_table(payloads)]  # fmt: skip
     for p in payloads:
         lines += RENDERERS[p["benchmark"]](p)
     link = Path(os.path.relpath(results_dir, output.parent)).as_posix()
     return "\n".join(lines).replace("{results}", link) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/RESULTS.md"))
-    args = parser.parse_args()
-    args.output.write_text(render(args.results_dir, args.output))
-    print(f"wrote {args.output}")
-
-
 if __name__ == "__main__":
-    main()
+    out = Path("benchmarks/RESULTS.md")
+    out.write_text(render(Path("benchmarks/results"), out))

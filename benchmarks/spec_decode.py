@@ -1,130 +1,118 @@
-"""Speculative decoding: n-gram speculation against no speculation and HF prompt lookup.
+"""Speculative decoding: n-gram and EAGLE against no speculation (and n-gram against HF).
 
-1. Batch 1, greedy, two workloads of chat prompts (``benchmarks/data/spec_prompts.jsonl``):
-   *grounded* (rewrite / correct / extract from a given passage: the answer copies its input) and
-   *open* (free-form answers). For each: pagedspec without speculation and with ngram
-   k ∈ --k-values; HF transformers ``generate`` plain and with ``prompt_lookup_num_tokens=k``;
-   tokens/s, acceptance, and whether the tokens equal pagedspec's non-speculative ones.
-   Requests stop at EOS or --max-tokens: greedy decoding is lossless, so every system makes the
-   same tokens and tokens/s compares equal work.
-2. Batch sweep, per workload: its prompts cycled to B requests, speculation forced on at every
-   batch size (``disable_batch_size`` huge) vs off, and the engine default (``SpeculativeConfig``'s
-   ``disable_batch_size``) at the largest B; the three take turns at each B, --sweep-repeats
-   rounds, and each keeps its fastest run (so three engines are loaded at once). The first B
-   where forced speculation is slower than none is the measured crossover that
-   ``disable_batch_size`` should sit below; it depends on how often drafts are accepted, hence
-   both workloads.
-
-    python -m benchmarks.spec_decode [--k-values 2,4,6,8] [--batch-sizes 1,4,16,32,64]
+ngram: batch 1, greedy, the *grounded* (answers copy a given passage) and *open* chat prompts of
+data/spec_prompts.jsonl; pagedspec without and with ngram k in --k-values, HF ``generate`` plain
+and with prompt lookup k. eagle: the EAGLE head (--eagle-head; default: the one shipped for the
+default model) on held-out chat (data/chat_heldout.jsonl), batch 1, k=4, at temperature 0 and 0.8
+(also argmax drafts, ``sample_drafts=False``): speedups, tokens per verification, acceptance per
+draft position, and the draft cost: median ``propose`` call drafting k tokens, per token, over the
+median target ``ModelRunner.forward`` without speculation (both timed by wrapping the methods).
+Batch-1 configurations take turns on each prompt after a warm-up pass (stop at EOS or max tokens).
+Then per method a batch sweep: off, forced on at every B, and the engine default (see ``sweep``).
 """
 
-import argparse
 import itertools
+import json
 import time
-from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig
 
-from benchmarks import output, report, workload
-from benchmarks.peers import load_hf_model, pad_id
-from benchmarks.timing import run_engine
-from benchmarks.workload import BenchRequest, ModelSpec, chat_prompts, kv_blocks_needed
-from engine import LLMEngine, SpeculativeConfig
+from benchmarks import workload
+from benchmarks.throughput import load_hf_model, pad_id
+from benchmarks.timing import clocked, percentile, run_engine
+from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
+from engine import SpeculativeConfig
+from engine.llm import render_chat
 
-DEFAULT_DISABLE_BATCH_SIZE = next(
-    f.default for f in fields(SpeculativeConfig) if f.name == "disable_batch_size"
-)
-SPEC_STATS = ("draft_tokens", "accepted_tokens", "verifications")
-
-
-def ngram_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, k, disable=None):
-    """No speculation when ``k`` is None, else ngram with ``k`` drafts (and ``disable_batch_size``
-    when given). Prefix caching is off: prompts repeat across runs and would skip their prefill."""
-    ngram = {"method": "ngram", "num_speculative_tokens": k}
-    ngram |= {"disable_batch_size": disable} if disable else {}
-    options = {"enable_prefix_caching": False, "speculative_config": ngram if k else None}
-    return workload.make_engine(spec, args, max_num_seqs, blocks, **options)
+DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
+SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 2, 4, 0.8
+HELDOUT = workload.DATA / "chat_heldout.jsonl"
+# The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).
+T, ARGMAX = TEMPERATURE, {"sample_drafts": False}
+EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "none-t": (T, None), "eagle-t": (T, {}),
+              "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
 
 
 @torch.inference_mode()
-def hf_generate(model, request: BenchRequest, k: int | None) -> tuple[float, list[int]]:
+def hf_generate(model, request: BenchRequest, k: int | None) -> tuple[float, list[int], dict]:
     """Seconds and tokens of HF ``generate``, plain (k None) or with prompt lookup of k tokens."""
     config = GenerationConfig(
-        max_new_tokens=request.output_len,
-        do_sample=False,
-        eos_token_id=model.generation_config.eos_token_id,
-        pad_token_id=pad_id(model),
-        prompt_lookup_num_tokens=k,
-    )
+        max_new_tokens=request.output_len, do_sample=False, prompt_lookup_num_tokens=k,
+        eos_token_id=model.generation_config.eos_token_id, pad_token_id=pad_id(model),
+    )  # fmt: skip
     ids = torch.tensor([request.prompt_ids], device=model.device)
-    start = time.perf_counter()
-    out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
-    )
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return time.perf_counter() - start, out[0, len(request.prompt_ids) :].tolist()
+    mask, start = torch.ones_like(ids), time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    tokens = out[0, len(request.prompt_ids) :].tolist()  # on CUDA, waits for the work
+    return time.perf_counter() - start, tokens, {}
 
 
-def batch_one(
-    engine: LLMEngine | None, model, requests: list[BenchRequest], k: int | None
-) -> dict[str, dict]:
-    """Batch 1, one prompt at a time: pagedspec (``engine``, None to skip) and HF (``model``,
-    None to skip) take turns on each prompt, so a disturbance on a shared machine falls on both
-    alike. Each is warmed up on the first prompt first."""
-    done = {
-        name: [] for name, system in (("pagedspec", engine), ("hf", model)) if system is not None
-    }
+def engine_call(engine, temperature: float = 0.0):
+    """One request on ``engine`` -> (seconds to its last token, its tokens, the run's stats)."""
+
+    def call(request: BenchRequest) -> tuple[float, list[int], dict]:
+        run = run_engine(engine, [request], ignore_eos=False, temperature=temperature)
+        return run.timings[0].last_token_s, run.token_ids[0], run.stats
+
+    return call
+
+
+def take_turns(systems: dict, requests: list[BenchRequest]) -> dict[str, dict]:
+    """Each system (name: call) on each request in turn after a warm-up pass: tokens/s, figures
+    of its speculation, and its outputs (for ``same_tokens``)."""
+    done = {name: [] for name in systems}
     for i, r in enumerate([requests[0], *requests]):
-        for name, runs in done.items():
-            if name == "hf":
-                seconds, tokens, stats = *hf_generate(model, r, k), {}
-            else:
-                run = run_engine(engine, [r], ignore_eos=False)
-                seconds, tokens, stats = run.timings[0].last_token_s, run.token_ids[0], run.stats
+        for name, call in systems.items():
             if i:  # the first pass is the warm-up
-                runs.append((seconds, tokens, stats))
+                done[name].append(call(r))
     results = {}
     for name, runs in done.items():
         seconds, tokens = sum(r[0] for r in runs), sum(len(r[1]) for r in runs)
         result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-        if name == "pagedspec" and k is not None:
-            drafts, accepted, rounds = (sum(r[2][key] for r in runs) for key in SPEC_STATS)
-            result["acceptance_rate"] = accepted / drafts if drafts else None
-            result["mean_accepted_length"] = (accepted + rounds) / rounds if rounds else None
+        stats = [r[2] for r in runs]
+        if sum(s.get("draft_tokens", 0) for s in stats):
+            total = lambda key, stats=stats: sum(s[key] for s in stats)
+            accepted, rounds = total("accepted_tokens"), total("verifications")
+            by_position = map(sum, zip(*(s["accepted_by_position"] for s in stats), strict=True))
+            result |= {"acceptance_rate": accepted / total("draft_tokens"),
+                       "mean_accepted_length": (accepted + rounds) / rounds,
+                       "acceptance_by_position": [a / rounds for a in by_position]}  # fmt: skip
         results[name] = result | {"outputs": [r[1] for r in runs]}
     return results
 
 
-def batch_sweep(args, spec: ModelSpec, prompts: list[list[int]], batch_sizes: list[int]) -> dict:
-    """Output tokens/s per batch size for no speculation, forced speculation (k = --sweep-k at
-    every batch size) and, at the largest batch, the engine default."""
-    largest, k = max(batch_sizes), args.sweep_k
-    requests = {
-        b: [BenchRequest(prompts[i % len(prompts)], args.sweep_max_tokens) for i in range(b)]
-        for b in batch_sizes
-    }
-    blocks = kv_blocks_needed(requests[largest], largest, k)
-    sizes = {"off": batch_sizes, "forced": batch_sizes, "default": [largest]}
+def same_tokens(results: dict[str, dict], reference: str, names) -> None:
+    """Each of ``names``' share of outputs equal to the reference's (the outputs are dropped)."""
+    ref = results[reference]["outputs"]
+    for name in names:
+        out = results[name].pop("outputs")
+        results[name]["same_tokens_as_reference"] = sum(map(list.__eq__, out, ref)) / len(ref)
+
+
+def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, default_sizes) -> dict:
+    """Output tokens/s per batch size, ``prompts`` cycled: speculation off, forced on at every
+    size (``disable_batch_size`` huge) and the engine default at ``default_sizes``. The configs
+    take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run; the first size
+    where forced loses is the crossover that ``disable_batch_size`` should sit below."""
+    forced = speculative | {"disable_batch_size": 1 << 30}
+    configs = {"off": sizes, "forced": sizes, "default": default_sizes}
+    n = args.sweep_max_tokens
+    reqs = {b: [BenchRequest(prompts[i % len(prompts)], n) for i in range(b)] for b in sizes}
+    blocks = kv_blocks_needed(reqs[sizes[-1]], sizes[-1], SWEEP_K)
     engines = {
-        "off": ngram_engine(spec, args, largest, blocks, None),
-        "forced": ngram_engine(spec, args, largest, blocks, k, disable=1 << 30),
-        "default": ngram_engine(spec, args, largest, blocks, k),
-    }
-    # Warm-up at the largest batch: it touches every KV page and every allocation size that batch
-    # brings. "default" runs only there; warmed at batch 1 like the others
-    # it started cold and measured ~7% below "off" (0.93x, twice), against 1.00-1.03x warm.
-    for engine in engines.values():
-        run_engine(engine, requests[largest])
-    # The configs take turns at each batch size, --sweep-repeats rounds; each keeps its fastest
-    # run (the least disturbed), so a slow spell of a shared machine does not pick the winner.
-    rows: dict[str, dict[str, dict]] = {name: {} for name in engines}
-    for b in batch_sizes:
-        for _, (name, engine) in itertools.product(range(args.sweep_repeats), engines.items()):
-            if b not in sizes[name]:
-                continue
-            run = run_engine(engine, requests[b], ignore_eos=False)
+        name: workload.make_engine(spec, args, sizes[-1], blocks, enable_prefix_caching=False,
+                                   speculative_config=config)
+        for name, config in (("off", None), ("forced", forced), ("default", speculative))
+    }  # fmt: skip
+    # Warm-up at each config's largest batch: it touches every KV page and allocation size (warmed
+    # at batch 1, "default" once started cold and measured ~7% below "off").
+    for name, engine in engines.items():
+        run_engine(engine, reqs[max(configs[name])])
+    rows: dict[str, dict] = {name: {} for name in engines}
+    for b, _, (name, engine) in itertools.product(sizes, range(SWEEP_REPEATS), engines.items()):
+        if b in configs[name]:
+            run = run_engine(engine, reqs[b], ignore_eos=False)
             seconds = max(t.last_token_s for t in run.timings)
             tokens = sum(len(t) for t in run.token_ids)
             row = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
@@ -135,45 +123,33 @@ def batch_sweep(args, spec: ModelSpec, prompts: list[list[int]], batch_sizes: li
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
     tps = {name: {b: row["tokens_per_s"] for b, row in r.items()} for name, r in rows.items()}
     speedup = {b: tps["forced"][b] / tps["off"][b] for b in tps["off"]}
-    slower = [int(b) for b, x in speedup.items() if x < 1.0]
+    slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
     return {
-        "k": k,
-        "max_tokens": args.sweep_max_tokens,
-        "repeats": args.sweep_repeats,
-        "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE,
-        "rows": rows,
-        "forced_speedup": speedup,
-        # The first measured batch size where forced speculation loses (None: it never did).
-        "crossover_batch_size": slower[0] if slower else None,
-        "largest_batch_size": largest,
-        "default_vs_off_at_largest": tps["default"][str(largest)] / tps["off"][str(largest)],
-    }
+        "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
+        "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE, "rows": rows,
+        "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
+        "largest_batch_size": sizes[-1],
+        "default_vs_off_at_largest": tps["default"][b] / tps["off"][b],
+    }  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Both parts; the JSON and the plot go to --output-dir."""
+def run_ngram(args, spec) -> tuple[dict, dict]:
+    """The batch-1 table per workload and the batch sweep per workload."""
     device, dtype = workload.resolve_device(args.device, args.dtype)
-    spec = workload.resolve_model(args.model, "auto", None)
     k_values = workload.parse_int_list(args.k_values, "k_values")
-    hf_k_values = workload.parse_int_list(args.hf_k_values or args.k_values, "hf_k_values")
-    machine = output.machine_info(device, "benchmarks.spec_decode")
-    requests = {
-        w: [
-            BenchRequest(p, args.max_tokens)
-            for p in chat_prompts(spec.tokenizer, w, args.num_prompts)
-        ]
-        for w in args.workloads.split(",")
-    }
+    prompts = {w: chat_prompts(spec.tokenizer, w, args.num_prompts) for w in workload.WORKLOADS}
+    requests = {w: [BenchRequest(p, args.max_tokens) for p in ps] for w, ps in prompts.items()}
     blocks = kv_blocks_needed([r for rs in requests.values() for r in rs], 1, max(k_values))
-    model = (
-        None if args.no_hf else load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
-    )
-    results = {w: {"pagedspec": {}} | ({} if args.no_hf else {"hf": {}}) for w in requests}
-    for k in [None, *sorted(set(k_values) | set(hf_k_values))]:
-        engine = ngram_engine(spec, args, 1, blocks, k) if k is None or k in k_values else None
-        hf = model if k is None or k in hf_k_values else None
+    model = load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
+    results = {w: {"pagedspec": {}, "hf": {}} for w in requests}
+    for k in [None, *k_values]:
+        config = {"method": "ngram", "num_speculative_tokens": k} if k else None
+        engine = workload.make_engine(spec, args, 1, blocks, enable_prefix_caching=False,
+                                      speculative_config=config)  # fmt: skip
+        hf = lambda r, k=k, model=model: hf_generate(model, r, k)
         for w, rs in requests.items():
-            for system, result in batch_one(engine, hf, rs, k).items():
+            turns = take_turns({"pagedspec": engine_call(engine), "hf": hf}, rs)
+            for system, result in turns.items():
                 results[w][system]["none" if k is None else str(k)] = result
                 print(f"{w} {system} k={k}: {result['tokens_per_s']:.1f} tok/s", flush=True)
         del engine
@@ -181,25 +157,68 @@ def run(args: argparse.Namespace) -> dict:
     del model
     workload.release_memory(device)
     for systems in results.values():
-        reference = systems["pagedspec"]["none"]["outputs"]
-        for r in (r for runs in systems.values() for r in runs.values()):
-            same = sum(a == b for a, b in zip(r.pop("outputs"), reference, strict=True))
-            r["same_tokens_as_reference"] = same / len(reference)
+        flat = {(s, k): r for s, runs in systems.items() for k, r in runs.items()}
+        same_tokens(flat, ("pagedspec", "none"), list(flat))
     sizes = workload.parse_int_list(args.batch_sizes, "batch_sizes") if args.batch_sizes else []
-    sweep = {
-        w: batch_sweep(args, spec, chat_prompts(spec.tokenizer, w, args.num_prompts), sizes)
-        for w in (args.sweep_workloads.split(",") if sizes else [])
+    ngram = {"method": "ngram", "num_speculative_tokens": SWEEP_K}
+    return results, {
+        w: sweep(args, spec, prompts[w], ngram, sizes, sizes[-1:]) for w in prompts if sizes
     }
-    payload = {
-        "benchmark": "spec_decode",
-        "machine": machine,
-        "config": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "model": spec.name,
-        "workloads": results,
-        "batch_sweep": sweep,
-    }
-    output.save(payload, args.output_dir, args.tag, plot)
-    print(report.section(payload, f"{args.tag}.json"))
+
+
+def run_eagle(args, spec) -> dict:
+    """The EAGLE part (see the module doc)."""
+    records = [json.loads(x) for x in HELDOUT.read_text().splitlines() if x.strip()]
+    prompts = [render_chat(spec.tokenizer, r["messages"])[1] for r in records[: args.eagle_prompts]]
+    requests = [BenchRequest(p, args.eagle_max_tokens) for p in prompts]
+    blocks = kv_blocks_needed(requests, 1, EAGLE_K)
+    eagle = {"method": "eagle", "draft_model": args.eagle_head, "num_speculative_tokens": EAGLE_K}
+    engines, systems = {}, {}
+    for name, (temperature, config) in EAGLE_RUNS.items():
+        key = None if config is None else tuple(config.items())
+        if key not in engines:
+            engines[key] = workload.make_engine(spec, args, 1, blocks, enable_prefix_caching=False,
+                speculative_config=None if config is None else eagle | config)  # fmt: skip
+        systems[name] = engine_call(engines[key], temperature)
+    target_s = clocked(engines[None].runner, "forward")
+    full = lambda scheduled, ks, params: max(ks, default=0) == EAGLE_K  # drafts k tokens
+    draft_s = clocked(engines[()].spec.proposer, "propose", full)
+    runs = take_turns(systems, requests)
+    same_tokens(runs, "none", ["eagle", "none"])  # greedy: lossless
+    for name, r in runs.items():
+        r["temperature"] = EAGLE_RUNS[name][0]
+        r.pop("outputs", None)  # sampled: no reference to match
+        print(f"eagle {name}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+    draft, target = percentile(draft_s, 50) / EAGLE_K, percentile(target_s, 50)
+    del engines, systems
+    workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
+    sizes = workload.parse_int_list(args.eagle_batch_sizes, "eagle_batch_sizes")
+    return {
+        "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",
+        "k": EAGLE_K, "num_prompts": len(requests), "max_tokens": args.eagle_max_tokens,
+        "runs": runs, "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
+                                     "share": draft / target},
+        "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes),
+    }  # fmt: skip
+
+
+def run(args) -> dict:
+    """The parts --methods names; the JSON (and the n-gram plot) go to --output-dir."""
+    spec = workload.resolve_model(args.model, "auto", None)
+    methods = args.methods.split(",")
+    device = workload.resolve_device(args.device, args.dtype)[0]
+    config = {k: v for k, v in vars(args).items() if k != "output_dir"}
+    machine = workload.machine_info(device, "benchmarks.spec_decode")
+    payload = {"benchmark": "spec_decode", "machine": machine, "config": config, "model": spec.name}
+    payload |= {"workloads": {}, "batch_sweep": {}}
+    if "ngram" in methods:  # saved before the EAGLE part, which fails if its head is missing
+        payload["workloads"], payload["batch_sweep"] = run_ngram(args, spec)
+        workload.save(payload, args.output_dir, "spec_decode", plot)
+    if "eagle" in methods:
+        payload["eagle"] = run_eagle(args, spec)
+        workload.save(
+            payload, args.output_dir, "spec_decode", plot if payload["workloads"] else None
+        )
     return payload
 
 
@@ -214,35 +233,24 @@ def plot(payload: dict, path) -> None:
             lines.append((ks, speedups, label, "o-" if ours else "o--"))
     ylabel = "speedup over the same system without speculation"
     title = f"{payload['model']}, batch 1, greedy"
-    output.plot(path, lines, "speculative tokens k", ylabel, title, log=False)
+    workload.plot(path, lines, "speculative tokens k", ylabel, title, log=False)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser():
+    parser = workload.parser(__doc__)
     add = parser.add_argument
-    add("--model", default=None, help="HF directory (default: SmolLM2)")
-    add("--dtype", default="auto")
-    add("--device", default="auto")
-    add("--workloads", default=",".join(workload.WORKLOADS))
-    add("--num-prompts", type=int, default=8, help="per workload")
-    add("--max-tokens", type=int, default=96)
-    add("--k-values", default="2,4,6,8")
-    add("--hf-k-values", default=None, help="default: --k-values")
-    add("--no-hf", action="store_true")
-    add("--batch-sizes", default="1,4,16,32,64", help="batch sweep; '' skips it")
-    add("--sweep-workloads", default=",".join(workload.WORKLOADS))
-    add("--sweep-k", type=int, default=4)
-    add("--sweep-max-tokens", type=int, default=32)
-    add("--sweep-repeats", type=int, default=2, help="rounds per batch size; the fastest counts")
-    add("--seed", type=int, default=0)
-    add("--output-dir", default="benchmarks/results")
-    add("--tag", default="spec_decode")
+    add("--methods", default="ngram", choices=("ngram", "eagle", "ngram,eagle"))
+    add("--num-prompts", type=int, default=8, help="ngram: per workload")
+    add("--max-tokens", type=int, default=96, help="ngram")
+    add("--k-values", default="2,4,6,8", help="ngram")
+    add("--batch-sizes", default="1,4,16,32,64", help="ngram sweep; '' skips it")
+    add("--sweep-max-tokens", type=int, default=32, help="both sweeps")
+    add("--eagle-head", default=None, help="a head directory (default: the shipped head)")
+    add("--eagle-prompts", type=int, default=8)
+    add("--eagle-max-tokens", type=int, default=64)
+    add("--eagle-batch-sizes", default="16,64")
     return parser
 
 
-def main() -> None:
-    run(build_parser().parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    run(build_parser().parse_args())

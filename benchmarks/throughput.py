@@ -1,93 +1,187 @@
 """Offline throughput and latency: pagedspec against HF transformers peers, over batch sizes.
 
-Throughput (the default). For each batch size B (pagedspec's ``max_num_seqs``; the peers'
-batch): ``B * waves`` requests with seeded random prompt and output lengths, all submitted at
-once, greedy, ignore_eos. The requests of a smaller batch size are a prefix of the larger ones';
-every system gets the same token ids. One wave (the default) keeps the sweep short enough for a
-2-core CPU and a few-minute GPU check: B requests start together and the run ends as the batch
-drains. More waves (--waves 2) queue requests behind the running ones, so finished slots are
-refilled, which is where continuous batching gains over static batches. Per system and batch
-size: generated and total tokens/s, requests/s, TTFT and TPOT (median, p99) from submission; for
-pagedspec also peak KV blocks used, preemptions and speculation acceptance. The roofline column
-is the decode ceiling measured on this device (``benchmarks/roofline.py``); pagedspec's fraction
-of it counts prefill time as well.
+Throughput: per batch size B, B x --waves requests of seeded random lengths submitted at once,
+greedy, ignore_eos (a smaller B's requests are a prefix of a larger one's; more waves queue
+requests behind the running ones). Generated and total tokens/s, requests/s, TTFT and TPOT from
+submission; pagedspec's KV blocks, preemptions and share of the measured decode ceiling. Peers:
+``hf-static``, ``generate`` over static left-padded batches of B, each run to its longest output
+(only each request's own tokens count); ``hf-batch``, HF's paged continuous batching driven
+directly (each request its own length), at most B requests and MAX_BATCH_TOKENS per step.
 
-Latency (--latency): pagedspec alone, without and with n-gram speculation. Each iteration
-submits B grounded chat prompts (``benchmarks/data/spec_prompts.jsonl``, taken in turn) at once
-and runs them to the end, each making exactly --output-len tokens; warm-up iterations first.
-TTFT, TPOT and whole-batch latency, p50 / p90 / p99 over the measured requests (iterations for
-the batch latency). Prefix caching is off so every iteration pays for its prefill.
-
-    python -m benchmarks.throughput [--batch-sizes 1,4,16] [--input-len 32:256]
-        [--output-len 32:128] [--peers hf-static,hf-batch | --no-peers] [--output-dir DIR]
-    python -m benchmarks.throughput --latency [--batch-sizes 1,4] [--iters 5]
+Latency (--latency): pagedspec without and with ngram k=4; each iteration submits B grounded chat
+prompts, each making --output-len tokens, after --warmup-iters untimed ones; TTFT, TPOT and
+whole-batch latency percentiles. Prefix caching is off so every iteration pays for its prefill.
 """
 
 import argparse
-from dataclasses import asdict
+import math
+import os
+import time
 
-from benchmarks import output, peers, report, roofline, workload
-from benchmarks.timing import quantiles, run_engine, summarize, ttft_tpot
-from benchmarks.workload import ModelSpec, kv_blocks_needed, make_engine, make_workload
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-DUMMY_NOTE = (
-    "dummy weights: pagedspec and the HF peers each use random weights for the same config; "
-    "with ignore_eos every request makes exactly its requested tokens whatever their values, "
-    "so the work and the throughput do not depend on the weights"
-)
+from benchmarks import workload
+from benchmarks.timing import RequestTiming, quantiles, run_engine, summarize, time_calls, ttft_tpot
+from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, make_workload
 
-
-def fastest(runs: list[dict]) -> dict:
-    """The run with the most generated tokens/s (an error if every run failed), with the rates
-    of all runs alongside."""
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return runs[-1]
-    best = max(ok, key=lambda r: r["output_tokens_per_s"])
-    return best | {"output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in ok]}
+PEERS = ("hf-static", "hf-batch")
+MAX_BATCH_TOKENS = 2048
 
 
-def peer_names(args) -> list[str]:
-    names = [] if args.no_peers else [p for p in args.peers.split(",") if p]
-    if set(names) - set(peers.PEERS):
-        raise ValueError(f"peers must be among {peers.PEERS}, got {names}")
-    return names
+def load_hf_model(path: str | None, config, dtype, device, seed: int = 0):
+    """``path``'s weights (a HF directory or .gguf), or (None) random ones from ``config``."""
+    if path is not None:
+        folder, gguf = os.path.split(path) if path.endswith(".gguf") else (path, None)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype).to(device)
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
 
 
-def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
+class _StepClock(LogitsProcessor, list):
+    """Records when each generation step's logits come out (one call per new token)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        torch.cuda.synchronize(scores.device) if scores.is_cuda else None
+        self.append(time.perf_counter())
+        return scores
+
+
+def pad_id(model) -> int:
+    """The model's pad token id (0 where it names none)."""
+    values = (model.generation_config.pad_token_id, model.config.pad_token_id)
+    return next((v for v in values if isinstance(v, int)), 0)
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+    """Static batches of ``batch_size`` in request order, each run to its longest output."""
+    device, pad, timings, start = model.device, pad_id(model), [], time.perf_counter()
+    for lo in range(0, len(requests), batch_size):
+        group = requests[lo : lo + batch_size]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, r in enumerate(group):
+            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
+        longest = max(r.output_len for r in group)
+        clock = _StepClock()
+        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+            pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)  # fmt: skip
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       generation_config=config, logits_processor=[clock])  # fmt: skip
+        if len(clock) != longest:
+            raise RuntimeError(f"hf-static made {len(clock)} steps, expected {longest}")
+        t = [x - start for x in clock]
+        timings += [RequestTiming(t[0], t[r.output_len - 1], r.output_len) for r in group]
+    return timings
+
+
+@torch.inference_mode()
+def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+    """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
+    longest, page = max(len(r.prompt_ids) + r.output_len for r in requests), 256
+    # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
+    blocks = batch_size * (math.ceil(longest / page) + 1)
+    cb_config = ContinuousBatchingConfig(page_size=page, max_requests_per_batch=batch_size,
+        num_blocks=blocks, max_batch_tokens=MAX_BATCH_TOKENS)  # fmt: skip
+    # No EOS: every request makes exactly its output_len tokens.
+    gen_config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests),
+        do_sample=False, eos_token_id=-1, pad_token_id=pad_id(model))  # fmt: skip
+    results = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30
+    ) as manager:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.output_len,
+                                eos_token_id=-1, record_timestamps=True)  # fmt: skip
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+    timings = []
+    for i, r in enumerate(requests):
+        result = results[f"r{i}"]
+        if result.error is not None:
+            raise RuntimeError(f"hf-batch request failed: {result.error}")
+        stamps, made = result.timestamps or [], len(result.generated_tokens)
+        if made != r.output_len or len(stamps) != r.output_len:
+            raise RuntimeError(f"hf-batch made {made} tokens, expected {r.output_len}")
+        timings.append(RequestTiming(stamps[0] - start, stamps[-1] - start, r.output_len))
+    return timings
+
+
+DUMMY_NOTE = "dummy weights: random, of the same config, for pagedspec and the HF peers (with "
+DUMMY_NOTE += "ignore_eos the work, hence the throughput, does not depend on their values)"
+
+
+# Decode roofline: a step of B sequences reads every matmul weight once and costs 2 FLOP per
+# matmul parameter (layers + LM head; an untied embedding is only looked up) per token; attention
+# over the KV cache is left out, so tokens/s <= B / max(bytes / bandwidth, 2 * params * B / flops).
+
+
+def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
+    """Copy bandwidth (read + write) and GEMM rate past caches and launch costs, fastest of 5."""
+    copy_bytes, n = (2 << 30, 8192) if device.type == "cuda" else (256 << 20, 2048)
+    fastest = lambda fn: min(time_calls(fn, 5, device=device))
+    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * copy_bytes / fastest(lambda: dst.copy_(src)) / 1e9
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return {"bandwidth_gbs": bandwidth, "matmul_gflops": 2 * n**3 / fastest(lambda: a @ b) / 1e9,
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "copy_bytes": copy_bytes, "gemm_size": n}  # fmt: skip
+
+
+def model_cost(config, dtype: torch.dtype) -> dict:
+    """Matmul parameters of ``config``'s model (on a weightless meta model) and their bytes."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed.weight is head.weight
+    params = sum(p.numel() for p in model.parameters() if tied or p is not embed.weight)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {"num_params": params, "weight_bytes": params * dtype.itemsize, "dtype": dtype_name}
+
+
+def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
+    """Upper bound on decode tokens/s: the slower of reading the weights and the batch's FLOPs."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    read_s = cost["weight_bytes"] / rates["bandwidth_gbs"]
+    compute_s = 2 * cost["num_params"] * batch_size / rates["matmul_gflops"]
+    return 1e9 * batch_size / max(read_s, compute_s)
+
+
+def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
     """The sweep over batch sizes, pagedspec and the peers taking turns at each."""
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
-    if args.waves < 1 or args.repeats < 1:
-        raise ValueError(f"waves and repeats must be >= 1, got {args.waves} and {args.repeats}")
-    others = peer_names(args)
-    rates, cost = roofline.measure(device, dtype), roofline.model_cost(spec.config, dtype)
-    load = peers.load_hf_model
-    hf_model = load(spec.hf_path, spec.config, dtype, device, args.seed) if others else None
+    others, rates, cost = args.peers, device_rates(device, dtype), model_cost(spec.config, dtype)
+    hf_model = others and load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
-    speculative = None
-    if args.speculative_method is not None:
-        speculative = {"method": args.speculative_method, "draft_model": args.draft_model}
-        speculative["num_speculative_tokens"] = args.num_speculative_tokens
-    options = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    options |= {"attention_backend": args.attention_backend, "speculative_config": speculative}
     results = []
     for b in batch_sizes:
         timed = requests[: b * args.waves]
         input_tokens = sum(len(r.prompt_ids) for r in timed)
         # Every system first serves B other requests of the same prompt lengths and 2 output
-        # tokens: the prefill shapes, allocator pools and (ours) KV pages are then warm, as in
-        # a server that has been running.
+        # tokens, so prefill shapes, allocator pools and our KV pages are warm, as in a server.
         warm = make_workload(b, input_len, (2, 2), spec, args.seed + 1)
-        k = args.num_speculative_tokens if speculative else 0
-        blocks = args.num_kv_blocks or kv_blocks_needed(timed + warm, b, k)
-        # The systems take turns, --repeats rounds, and each keeps its fastest run (the least
-        # disturbed by the rest of a shared machine); ours starts from a fresh engine each round
-        # so that no round finds the prompts in the prefix cache.
+        blocks = kv_blocks_needed(timed + warm, b, 0)
+        # The systems take turns, --repeats rounds, each keeping its fastest (least disturbed)
+        # run; ours from a fresh engine each round, so no round hits the prefix cache.
         runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
-            engine = make_engine(spec, args, b, blocks, **options)
+            engine = make_engine(spec, args, b, blocks)
             run_engine(engine, warm)
             measured = run_engine(engine, timed)
             del engine
@@ -95,57 +189,43 @@ def run_throughput(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
-                    peers.run_peer(p, hf_model, warm, b, args.max_num_batched_tokens)
-                    timings = peers.run_peer(p, hf_model, timed, b, args.max_num_batched_tokens)
+                    run = {"hf-static": run_hf_static, "hf-batch": run_hf_batch}[p]
+                    run(hf_model, warm, b)
+                    timings = run(hf_model, timed, b)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
                 workload.release_memory(device)
-        systems = {name: fastest(system_runs) for name, system_runs in runs.items()}
-        ours = systems["pagedspec"]["output_tokens_per_s"]
-        ceiling = roofline.decode_ceiling(b, cost, rates)
-        ratios = {
-            p: ours / s["output_tokens_per_s"]
-            for p, s in systems.items()
-            if p != "pagedspec" and "error" not in s
-        }
+        systems = {}
+        for name, rs in runs.items():  # the fastest run (an error if all failed), all rates too
+            rates_ = [r["output_tokens_per_s"] for r in rs if "error" not in r]
+            best = max(rs, key=lambda r: r.get("output_tokens_per_s", -1))
+            systems[name] = best | ({"output_tokens_per_s_runs": rates_} if rates_ else {})
+        ours, ceiling = systems["pagedspec"]["output_tokens_per_s"], decode_ceiling(b, cost, rates)
+        ok = [p for p in others if "error" not in systems[p]]
+        ratios = {p: ours / systems[p]["output_tokens_per_s"] for p in ok}
         row = {"batch_size": b, "num_requests": len(timed), "ceiling_tokens_per_s": ceiling}
-        results.append(
-            row | {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
-        )
+        row |= {"roofline_fraction": ours / ceiling, "systems": systems, "ratios": ratios}
+        results.append(row)
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
-    dummy = spec.load_format == "dummy"
-    return {
-        "model": {"name": spec.name, "load_format": spec.load_format} | asdict(cost),
-        "weights_note": DUMMY_NOTE
-        if dummy
-        else f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})",
-        "roofline": asdict(rates),
-        "results": results,
-    }
+    same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
+    model = {"name": spec.name, "load_format": spec.load_format} | cost
+    note = DUMMY_NOTE if spec.load_format == "dummy" else same
+    return {"model": model, "weights_note": note, "roofline": rates, "results": results}
 
 
-def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
+def run_latency(args, spec, batch_sizes: list[int]) -> dict:
     """No speculation and ngram speculation, each on one engine over every batch size."""
-    if args.iters < 1 or args.warmup_iters < 0:
-        raise ValueError(
-            f"iters must be >= 1 and warmup_iters >= 0: {args.iters}, {args.warmup_iters}"
-        )
     prompts = workload.chat_prompts(spec.tokenizer, "grounded")
     output_len = workload.parse_range(args.output_len, "output_len")
     iterations = args.warmup_iters + args.iters
-    k, largest = args.num_speculative_tokens, max(batch_sizes)
+    k, largest = 4, max(batch_sizes)
     # Iteration i at batch size B takes the prompts B * i ... B * (i + 1) - 1, cycled.
-    requests = {
-        b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
-        for b in batch_sizes
-    }
-    results = []
-    for name, ngram in (
-        ("no-spec", None),
-        (f"ngram-k{k}", {"method": "ngram", "num_speculative_tokens": k}),
-    ):
+    make = lambda b: make_workload(b * iterations, (1, 1), output_len, spec, args.seed, prompts)
+    requests, results = {b: make(b) for b in batch_sizes}, []
+    configs = (("no-spec", None), (f"ngram-k{k}", {"method": "ngram", "num_speculative_tokens": k}))
+    for name, ngram in configs:
         blocks = kv_blocks_needed(requests[largest], largest, k if ngram else 0)
         options = {"enable_prefix_caching": False, "speculative_config": ngram}
         engine = make_engine(spec, args, largest, blocks, **options)
@@ -153,21 +233,13 @@ def run_latency(args, spec: ModelSpec, batch_sizes: list[int]) -> dict:
             runs = [run_engine(engine, requests[b][i * b : (i + 1) * b]) for i in range(iterations)]
             runs = runs[args.warmup_iters :]
             ttft, tpot = ttft_tpot([t for run in runs for t in run.timings])
-            drafts, accepted = (
-                sum(run.stats[key] for run in runs) for key in ("draft_tokens", "accepted_tokens")
-            )
+            drafts = sum(r.stats["draft_tokens"] for r in runs)
+            accepted = sum(r.stats["accepted_tokens"] for r in runs)
             batch_s = [max(t.last_token_s for t in run.timings) for run in runs]
-            results.append(
-                {
-                    "config": name,
-                    "batch_size": b,
-                    "iterations": len(runs),
-                    "ttft_s": quantiles(ttft),
-                    "tpot_s": quantiles(tpot),
-                    "batch_latency_s": quantiles(batch_s),
-                    "acceptance_rate": accepted / drafts if drafts else None,
-                }
-            )
+            results.append({"config": name, "batch_size": b, "iterations": len(runs),
+                "ttft_s": quantiles(ttft), "tpot_s": quantiles(tpot),
+                "batch_latency_s": quantiles(batch_s),
+                "acceptance_rate": accepted / drafts if drafts else None})  # fmt: skip
             print(f"{name} batch {b}: TTFT p50 {results[-1]['ttft_s']['p50']:.3f} s", flush=True)
         del engine
         workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
@@ -181,15 +253,11 @@ def run(args: argparse.Namespace) -> dict:
     kind = "latency" if args.latency else "throughput"
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
-    config |= {"batch_sizes": batch_sizes} | ({} if args.latency else {"peers": peer_names(args)})
-    payload = {
-        "benchmark": kind,
-        "machine": output.machine_info(device, "benchmarks.throughput"),
-        "config": config,
-    }
+    config |= {"batch_sizes": batch_sizes}
+    machine = workload.machine_info(device, "benchmarks.throughput")
+    payload = {"benchmark": kind, "machine": machine, "config": config}
     payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
-    output.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
-    print(report.section(payload, f"{args.tag or kind}.json"))
+    workload.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
 
 
@@ -203,42 +271,27 @@ def plot(payload: dict, path) -> None:
     sizes = [r["batch_size"] for r in rows]
     lines.append((sizes, [r["ceiling_tokens_per_s"] for r in rows], "decode ceiling", "k--"))
     title = f"{payload['model']['name']} on {m['gpu'] or m['cpu']} ({payload['model']['dtype']})"
-    output.plot(path, lines, "batch size (max_num_seqs)", "generated tokens/s", title, log=True)
+    workload.plot(path, lines, "batch size (max_num_seqs)", "generated tokens/s", title, log=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = workload.parser(__doc__)
     add = parser.add_argument
     add("--latency", action="store_true", help="measure latency (see above), not throughput")
-    add("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     add("--load-format", default="auto", choices=("auto", "dummy"))
     add("--model-config", help="with --load-format dummy: a benchmarks/model_configs name or path")
-    add("--dtype", default="auto")
-    add("--device", default="auto")
     add("--batch-sizes", default="1,2,4,8,16,32,64")
     add("--waves", type=int, default=1, help="requests per batch size = B x waves")
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--max-num-batched-tokens", type=int, default=2048)
-    add("--num-kv-blocks", type=int, default=None, help="default: all fit")
-    add("--attention-backend", default="auto")
-    add("--speculative-method", default=None, choices=("ngram", "draft"))
-    add("--num-speculative-tokens", type=int, default=4, help="also latency's ngram k")
-    add("--draft-model", default=None)
-    add("--peers", default=",".join(peers.PEERS))
-    add("--no-peers", action="store_true")
+    add("--peers", default=list(PEERS), type=lambda t: [p for p in t.split(",") if p],
+        help=f"among {PEERS}; '' for none")  # fmt: skip
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
-    add("--seed", type=int, default=0)
-    add("--output-dir", default="benchmarks/results")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     return parser
 
 
-def main() -> None:
-    run(build_parser().parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    run(build_parser().parse_args())

@@ -1,13 +1,10 @@
-"""Every benchmark's clock: percentiles, timed calls, and the TTFT / TPOT of a timed engine run.
-
-TTFT: from submission to a request's first output token. TPOT: the mean time per output token
-after the first, (last - first) / (tokens - 1).
-"""
+"""Every benchmark's clock: percentiles, timed calls, and the TTFT (submission to first output
+token) / TPOT (mean time per output token after the first) of a timed engine run."""
 
 import math
 import time
+from collections import namedtuple
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -31,51 +28,40 @@ def time_calls(
     fn: Callable[[], object], iters: int, warmup: int = 1, device: torch.device | None = None
 ) -> list[float]:
     """Seconds of each of ``iters`` calls after ``warmup`` untimed ones (CUDA work awaited)."""
-
-    def call() -> float:
+    times = []
+    for _ in range(warmup + iters):
         start = time.perf_counter()
         fn()
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        times.append(time.perf_counter() - start)
+    return times[warmup:]
 
-    return [call() for _ in range(warmup + iters)][warmup:]
 
+def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True) -> list[float]:
+    """Wraps ``obj.name``: the seconds of each call for which ``keep(*args)`` holds are kept."""
+    fn, times = getattr(obj, name), []
 
-def time_cuda_events(
-    fn: Callable[[], object], iters: int, warmup: int, flush: torch.Tensor
-) -> list[float]:
-    """Seconds of each call by CUDA events, the L2 cache overwritten (``flush``) before each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if keep(*args, **kwargs):
+            times.append(time.perf_counter() - start)
+        return out
+
+    setattr(obj, name, wrapper)
     return times
 
 
-@dataclass(frozen=True)
-class RequestTiming:
-    """Seconds after submission at which the first and the last output token came out."""
-
-    first_token_s: float
-    last_token_s: float
-    num_output_tokens: int
+# Seconds after submission at which a request's first and last output token came out.
+RequestTiming = namedtuple("RequestTiming", "first_token_s last_token_s num_output_tokens")
+EngineRun = namedtuple("EngineRun", "timings token_ids stats")  # per request; stats over the run
 
 
 def ttft_tpot(timings: Sequence[RequestTiming]) -> tuple[list[float], list[float]]:
     """The TTFT of every request and the TPOT of each that made more than one token."""
-    tpot = [
-        (t.last_token_s - t.first_token_s) / (t.num_output_tokens - 1)
-        for t in timings
-        if t.num_output_tokens > 1
-    ]
+    later = [t for t in timings if t.num_output_tokens > 1]
+    tpot = [(t.last_token_s - t.first_token_s) / (t.num_output_tokens - 1) for t in later]
     return [t.first_token_s for t in timings], tpot
 
 
@@ -85,66 +71,47 @@ def summarize(timings: Sequence[RequestTiming], input_tokens: int) -> dict:
     out_tokens = sum(t.num_output_tokens for t in timings)
     ttft, tpot = ttft_tpot(timings)
     return {
-        "elapsed_s": elapsed,
-        "num_requests": len(timings),
-        "input_tokens": input_tokens,
-        "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / elapsed,
+        "elapsed_s": elapsed, "num_requests": len(timings), "input_tokens": input_tokens,
+        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + out_tokens) / elapsed,
         "requests_per_s": len(timings) / elapsed,
-        "ttft_median_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_median_s": percentile(tpot, 50),
-        "tpot_p99_s": percentile(tpot, 99),
-    }
+        "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_median_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+    }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class EngineRun:
-    timings: list[RequestTiming]
-    token_ids: list[list[int]]
-    stats: dict
-
-
-def run_engine(
-    engine: LLMEngine, requests: Sequence, ignore_eos: bool = True, clock=time.perf_counter
-) -> EngineRun:
-    """Submit every request (``prompt_ids``, ``output_len``) at once, greedy, and step to the
-    end; per-request timings by ``clock``, tokens, and the engine's stats over the run."""
+def run_engine(engine: LLMEngine, requests: Sequence, ignore_eos: bool = True,
+               clock=time.perf_counter, temperature: float = 0.0) -> EngineRun:  # fmt: skip
+    """Submit every request (``prompt_ids``, ``output_len``) at once and step to the end;
+    per-request timings by ``clock``, tokens, and the engine's stats over the run."""
     before = engine.get_stats()
     min_free, first, done = before.num_free_blocks, {}, {}
-    start = clock()
+    start, steps = clock(), 0
     for i, r in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=ignore_eos)
-        engine.add_request(str(i), r.prompt_ids, params)
-    steps = 0
+        params = dict(temperature=temperature, max_tokens=r.output_len, ignore_eos=ignore_eos)
+        engine.add_request(str(i), r.prompt_ids, SamplingParams(**params))
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now, steps = clock() - start, steps + 1
         min_free = min(min_free, engine.get_stats().num_free_blocks)
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)
-            if tokens and out.request_id not in first:
-                first[out.request_id] = now
+            if tokens:
+                first.setdefault(out.request_id, now)
             if out.finished:
-                done[out.request_id] = (
-                    RequestTiming(first[out.request_id], now, len(tokens)),
-                    tokens,
-                )
+                timing = RequestTiming(first[out.request_id], now, len(tokens))
+                done[out.request_id] = (timing, tokens)
     after = engine.get_stats()
-    drafts = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    rounds = after.num_verifications - before.num_verifications
-    stats = {
-        "steps": steps,
-        "num_kv_blocks": after.num_total_blocks,
-        "peak_kv_blocks_used": after.num_total_blocks - min_free,
-        "preemptions": after.num_preemptions - before.num_preemptions,
-        "draft_tokens": drafts,
-        "accepted_tokens": accepted,
-        "verifications": rounds,
-        "acceptance_rate": accepted / drafts if drafts else None,
-        "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
-    }
+    keys = ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
+    drafts, accepted, rounds = (getattr(after, k) - getattr(before, k) for k in keys)
+    old = list(before.accepted_by_position) or [0] * len(after.accepted_by_position)
+    by_position = [a - b for a, b in zip(after.accepted_by_position, old, strict=True)]
+    stats = {"steps": steps, "num_kv_blocks": after.num_total_blocks,
+             "peak_kv_blocks_used": after.num_total_blocks - min_free,
+             "preemptions": after.num_preemptions - before.num_preemptions,
+             "draft_tokens": drafts, "accepted_tokens": accepted, "verifications": rounds,
+             "accepted_by_position": by_position,
+             "acceptance_rate": accepted / drafts if drafts else None,
+             "mean_accepted_length": (accepted + rounds) / rounds if rounds else None}  # fmt: skip
     ordered = [done[str(i)] for i in range(len(requests))]
     return EngineRun([t for t, _ in ordered], [ids for _, ids in ordered], stats)

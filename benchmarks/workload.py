@@ -1,10 +1,17 @@
-"""What the end-to-end benchmarks share: the model, the requests and the engine that serves them."""
+"""What the benchmarks share: common flags, the model, requests, the engine serving them, and what
+they write (JSON with the machine and command, a plot, their RESULTS.md part)."""
 
+import argparse
+import datetime
 import gc
 import json
 import os
+import platform
 import random
-from dataclasses import dataclass
+import shlex
+import subprocess
+import sys
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -13,71 +20,48 @@ from transformers import AutoConfig, AutoTokenizer
 from engine import EngineConfig, LLMEngine
 
 BLOCK_SIZE = 16  # KV block size of every engine the benchmarks build
-MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
-PROMPTS_FILE = Path(__file__).parent / "data" / "spec_prompts.jsonl"
-WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in PROMPTS_FILE
+DATA = Path(__file__).parent / "data"
+WORKLOADS = ("grounded", "open")  # the kinds of chat prompt in data/spec_prompts.jsonl
 
 
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_ids: list[int]
-    output_len: int
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where pagedspec and the HF peers get the model from."""
-
-    engine_model: str | None  # EngineConfig.model
-    load_format: str
-    hf_path: str | None  # weights for the peers; None: random init from ``config``
-    config: object
-    tokenizer: object | None
-    name: str
+BenchRequest = namedtuple("BenchRequest", "prompt_ids output_len")
+# Where pagedspec (engine_model, load_format) and HF (hf_path; None: random weights) get the model.
+ModelSpec = namedtuple("ModelSpec", "engine_model load_format hf_path config tokenizer name")
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
     """ "32:256" -> (32, 256); "128" -> (128, 128). Both ends >= 1."""
     parts = text.split(":")
-    try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        lo, hi = 0, -1
-    if lo < 1 or hi < lo:
+    lo, hi = (parts[0], parts[-1]) if len(parts) <= 2 else ("0", "-1")
+    if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
         raise ValueError(f"{name} must be N or LO:HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
+    return int(lo), int(hi)
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
     """ "16,1,4" -> [1, 4, 16] (sorted, distinct, each >= 1)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or not all(x.isdigit() and int(x) >= 1 for x in values):
         raise ValueError(f"{name} must be a comma-separated list of integers >= 1, got {text!r}")
-    return sorted(set(values))
+    return sorted({int(x) for x in values})
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """--device and --dtype as EngineConfig reads them: "auto" is CUDA where there is one, and
     bfloat16 there, float32 on the CPU."""
-    cuda = torch.cuda.is_available()
-    dev = torch.device(("cuda" if cuda else "cpu") if device == "auto" else device)
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(auto_device if device == "auto" else device)
     auto = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, auto if dtype == "auto" else getattr(torch, dtype)
 
 
 def resolve_model(model: str | None, load_format: str, model_config: str | None) -> ModelSpec:
     """--model / --load-format / --model-config -> a ModelSpec (config read without weights)."""
-    if model_config is not None:
-        if load_format != "dummy":
-            raise ValueError("--model-config needs --load-format dummy")
-        path = MODEL_CONFIG_DIR / f"{model_config}.json"
+    if model_config is not None:  # a model_configs/ name or a config.json, random weights
+        path = Path(__file__).parent / "model_configs" / f"{model_config}.json"
         path = path if path.is_file() else Path(model_config)
-        if not path.is_file():
-            names = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
-            raise ValueError(f"model_config must be one of {names} or a config.json, got {path}")
+        if load_format != "dummy" or not path.is_file():
+            raise ValueError(f"--model-config needs --load-format dummy and a config: {path}")
         config = AutoConfig.from_pretrained(str(path))
         return ModelSpec(str(path), "dummy", None, config, None, path.stem)
     if model is None:
@@ -95,22 +79,13 @@ def resolve_model(model: str | None, load_format: str, model_config: str | None)
     return ModelSpec(model, load_format, hf_path, config, tokenizer, name)
 
 
-def make_workload(
-    num: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    spec: ModelSpec,
-    seed: int,
-    prompts: list[list[int]] | None = None,
-) -> list[BenchRequest]:
+def make_workload(num, input_len, output_len, spec: ModelSpec, seed: int, prompts=None):
     """``num`` requests: ``prompts`` in turn, or seeded random token ids (no special ids) of
     lengths drawn from ``input_len``; output lengths drawn from ``output_len``."""
     banned = set(spec.tokenizer.all_special_ids) if spec.tokenizer is not None else set()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(spec.config, key, None)
-        banned.update(
-            value if isinstance(value, list | tuple) else [] if value is None else [value]
-        )
+        banned |= set(value) if isinstance(value, list | tuple) else {value} - {None}
     rng, requests = random.Random(seed), []
     for i in range(num):
         out = rng.randint(*output_len)
@@ -120,23 +95,20 @@ def make_workload(
         ids, length = [], rng.randint(*input_len)
         while len(ids) < length:
             token = rng.randrange(spec.config.vocab_size)
-            if token not in banned:
-                ids.append(token)
+            ids += [] if token in banned else [token]
         requests.append(BenchRequest(ids, out))
     return requests
 
 
 def chat_prompts(tokenizer, workload: str, limit: int | None = None) -> list[list[int]]:
     """The workload's chat prompts as token ids (chat template, generation prompt added)."""
+    from engine.llm import render_chat
+
     if workload not in WORKLOADS or tokenizer is None:
         raise ValueError(f"workload must be one of {WORKLOADS}, for a model with a tokenizer")
-    records = [json.loads(line) for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
-    texts = [
-        tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
-        for r in records
-        if r["workload"] == workload
-    ]
-    return [tokenizer.encode(text, add_special_tokens=False) for text in texts[:limit]]
+    lines = (DATA / "spec_prompts.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, filter(None, lines)) if r["workload"] == workload]
+    return [render_chat(tokenizer, r["messages"])[1] for r in records[:limit]]
 
 
 def kv_blocks_needed(requests: list[BenchRequest], batch_size: int, k: int) -> int:
@@ -149,9 +121,8 @@ def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options
     """An engine for ``spec`` at ``args``' dtype, device and seed; ``options``: EngineConfig's."""
     fields = dict(model=spec.engine_model, load_format=spec.load_format, seed=args.seed)
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
-    return LLMEngine(
-        EngineConfig(**fields, max_num_seqs=max_num_seqs, num_kv_blocks=blocks, **options)
-    )
+    fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
+    return LLMEngine(EngineConfig(**fields, **options))
 
 
 def release_memory(device: torch.device) -> None:
@@ -159,3 +130,80 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def parser(doc: str, model: bool = True, output_dir: str = "benchmarks/results"):
+    """An argument parser with --output-dir and, with ``model``, --model, --dtype, --device and
+    --seed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--output-dir", default=output_dir)
+    for flag, default in (("--model", None), ("--dtype", "auto"), ("--device", "auto")) * model:
+        parser.add_argument(flag, default=default)
+    if model:
+        parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def machine_info(device: torch.device, module: str) -> dict:
+    """What the numbers were measured on, and the command that measured them."""
+    import transformers
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    try:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "git_commit": commit or None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
+    }  # fmt: skip
+
+
+def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
+    """Writes ``payload`` to ``out_dir/tag.json`` and, with ``plot(payload, path)`` given, its
+    plot to ``out_dir/tag.png`` (named in the payload's "plot"); prints its RESULTS.md part."""
+    from benchmarks import report
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        payload["plot"] = f"{tag}.png"
+        plot(payload, out_dir / payload["plot"])
+    (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out_dir / tag}.json\n" + report.section(payload, f"{tag}.json"))
+
+
+def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, log: bool) -> None:
+    """A line plot: ``lines`` holds (xs, ys, label, matplotlib format) per line; the xs are the
+    ticks; ``log``: log-log axes, else a line at y = 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for xs, ys, label, fmt in lines:
+        ax.plot(xs, ys, fmt, label=label)
+    ticks = sorted({x for xs, *_ in lines for x in xs})
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    else:
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import build_random_eagle_head
 from transformers import AutoConfig, LlamaForCausalLM
 
 from benchmarks import (
@@ -22,7 +23,6 @@ from benchmarks import (
     kernels,
     linear,
     report,
-    roofline,
     run_all,
     spec_decode,
     throughput,
@@ -30,6 +30,7 @@ from benchmarks import (
 from benchmarks.timing import percentile, run_engine, summarize, time_calls
 from benchmarks.workload import BenchRequest, ModelSpec, make_workload, parse_int_list, parse_range
 from engine import EngineStats
+from engine.spec_decode.eagle_format import load_head, save_head
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -125,14 +126,14 @@ def test_timed_run_of_a_fake_engine_gives_known_ttft_and_tpot():
 
 
 def test_decode_ceiling_is_the_slower_of_memory_and_compute():
-    cost = roofline.ModelCost(num_params=10**9, weight_bytes=2 * 10**9, dtype="bfloat16")
-    rates = roofline.DeviceRates(100.0, 1000.0, "cpu", "bfloat16", 1 << 20, 64)
+    cost = {"num_params": 10**9, "weight_bytes": 2 * 10**9}
+    rates = {"bandwidth_gbs": 100.0, "matmul_gflops": 1000.0}
     # Reading 2 GB at 100 GB/s takes 20 ms; B tokens of compute take 2 ms * B.
-    assert roofline.decode_ceiling(1, cost, rates) == pytest.approx(1 / 0.02)
-    assert roofline.decode_ceiling(10, cost, rates) == pytest.approx(10 / 0.02)
-    assert roofline.decode_ceiling(40, cost, rates) == pytest.approx(40 / 0.08)
+    assert throughput.decode_ceiling(1, cost, rates) == pytest.approx(1 / 0.02)
+    assert throughput.decode_ceiling(10, cost, rates) == pytest.approx(10 / 0.02)
+    assert throughput.decode_ceiling(40, cost, rates) == pytest.approx(40 / 0.08)
     with pytest.raises(ValueError, match="batch_size"):
-        roofline.decode_ceiling(0, cost, rates)
+        throughput.decode_ceiling(0, cost, rates)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -142,7 +143,7 @@ def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
     model = LlamaForCausalLM(config)  # with real weights: the oracle counts them
     total = sum(p.numel() for p in model.parameters())  # a tied matrix counted once
     embedding = config.vocab_size * config.hidden_size
-    cost = roofline.model_cost(config, torch.bfloat16)
+    cost = SimpleNamespace(**throughput.model_cost(config, torch.bfloat16))
     assert cost.num_params == (total if tied else total - embedding)
     assert cost.weight_bytes == 2 * cost.num_params and cost.dtype == "bfloat16"
 
@@ -207,13 +208,14 @@ def test_results_md_is_what_the_report_renders_from_the_committed_json(monkeypat
 # Numbers in the committed JSON that RESULTS.md does not show: run settings, raw counts behind
 # the rates it shows, the rates of runs that were not the fastest, the sizes the ceilings were
 # measured at, a CPU kernel's fastest call beside its median, and figures the report derives
-# again from the rows (spec_decode's speedups and its targets, as older runs stored them).
+# again from the rows (spec_decode's speedups, default / off ratios and its targets).
 NOT_SHOWN = {
     "throughput": {"config", "elapsed_s", "num_requests", "input_tokens", "output_tokens",
                    "output_tokens_per_s_runs", "steps", "draft_tokens", "accepted_tokens",
                    "verifications", "copy_bytes", "gemm_size"},
     "latency": {"config", "iterations"},
-    "spec_decode": {"config", "seconds", "tokens", "forced_speedup", "targets"},
+    "spec_decode": {"config", "seconds", "tokens", "forced_speedup", "targets",
+                    "default_vs_off_at_largest"},
     "kernels": {"min_us"},
 }  # fmt: skip
 
@@ -229,48 +231,52 @@ def _numbers(obj, path=()):
         yield path
 
 
+def assert_every_number_shown(payload: dict, file: str) -> None:
+    """Each number in ``payload``, changed, changes the page, unless NOT_SHOWN."""
+    base = report.section(payload, file)
+    for where in _numbers(payload):
+        if NOT_SHOWN.get(payload["benchmark"], set()) & set(where):
+            continue
+        changed = json.loads(json.dumps(payload))
+        *parents, last = where
+        holder = changed
+        for key in parents:
+            holder = holder[key]
+        value = holder[last]
+        holder[last] = value * 3 + 7 if isinstance(value, int) else value * 3.7 + 1.234
+        text = report.section(changed, file)
+        assert text != base, f"{file}: {'/'.join(map(str, where))} is not on the page"
+
+
 def test_report_shows_every_measured_number():
-    """Each number in each committed JSON file, changed, changes the page, unless NOT_SHOWN."""
     for path in sorted((BENCHMARKS / "results").glob("*.json")):
         payload = json.loads(path.read_text())
-        benchmark = payload.setdefault("benchmark", path.stem)
-        base = report.section(payload, path.name)
-        for where in _numbers(payload):
-            if NOT_SHOWN.get(benchmark, set()) & set(where):
-                continue
-            changed = json.loads(json.dumps(payload))
-            *parents, last = where
-            holder = changed
-            for key in parents:
-                holder = holder[key]
-            value = holder[last]
-            holder[last] = value * 3 + 7 if isinstance(value, int) else value * 3.7 + 1.234
-            text = report.section(changed, path.name)
-            assert text != base, f"{path.name}: {'/'.join(map(str, where))} is not on the page"
+        payload.setdefault("benchmark", path.stem)
+        assert_every_number_shown(payload, path.name)
 
 
 def _parse(module: str, argv: list[str]):
     return importlib.import_module(module).build_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("quick", [False, True])
-def test_run_all_commands_parse(quick, tmp_path):
-    cmds = run_all.commands(quick=quick, model="/m", output_dir=tmp_path)
+def test_run_all_commands_parse():
+    cmds = run_all.commands()
     assert set(cmds) <= set(report.RENDERERS)  # each writes a JSON file the report renders
     for name, cmd in cmds.items():
         assert cmd[1] == "-m"
         args = _parse(cmd[2], cmd[3:])  # a flag the script does not know exits here
-        assert args.output_dir == str(tmp_path)
-        assert getattr(args, "model", None) == ("/m" if hasattr(args, "model") else None)
+        assert args.output_dir == "benchmarks/results"
         if cmd[2] == "benchmarks.throughput":
             assert args.latency == (name == "latency")
+        if cmd[2] == "benchmarks.spec_decode":
+            assert args.methods == "ngram,eagle"
 
 
 def test_gpu_check_benchmark_commands_parse():
     script = (BENCHMARKS / "gpu_check.sh").read_text().replace("\\\n", " ")
     script = script.replace("$OUT", "out").replace("$shape", "llama-3.2-1b")
     commands = re.findall(r'"\$PY" -m (benchmarks\.\w+)(.*)', script)
-    assert [module for module, _ in commands] == ["benchmarks.kernels", "benchmarks.throughput"]
+    assert [module for module, _ in commands] == ["benchmarks.throughput"]
     for module, argv in commands:
         _parse(module, shlex.split(argv))
 
@@ -323,6 +329,40 @@ def test_spec_decode_is_lossless(tiny_llama, bench_dir):
         tokens = {name: rows["2"]["tokens"] for name, rows in sweep["rows"].items()}
         assert tokens["off"] == tokens["forced"] == tokens["default"]
     assert "## Speculative decoding" in report.render(bench_dir, bench_dir / "RESULTS.md")
+
+
+def test_spec_decode_eagle_part(tiny_llama, tmp_path):
+    # A head whose q is uniform over the whole vocabulary: at temperature 0.8 its sampled drafts
+    # are accepted with sum min(p, q) > 0, so acceptance by position is not all zeros.
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 512)
+    state, config = load_head(head)
+    save_head(head, state | {"lm_head.weight": torch.zeros_like(state["lm_head.weight"])}, config)
+    args = ["--model", tiny_llama, "--methods", "eagle", "--eagle-head", head]
+    args += ["--eagle-prompts", "3", "--eagle-max-tokens", "16", "--eagle-batch-sizes", "2,16"]
+    args += ["--sweep-max-tokens", "4", "--output-dir", str(tmp_path)]
+    payload = spec_decode.run(spec_decode.build_parser().parse_args(args))
+    assert json.loads((tmp_path / "spec_decode.json").read_text()) == payload
+    assert payload["workloads"] == payload["batch_sweep"] == {}  # no ngram part asked for
+    runs = payload["eagle"]["runs"]
+    assert set(runs) == set(spec_decode.EAGLE_RUNS)
+    assert runs["eagle"]["same_tokens_as_reference"] == 1.0  # greedy EAGLE is lossless
+    assert "acceptance_rate" not in runs["none"] and "acceptance_rate" not in runs["none-t"]
+    for name in ("eagle", "eagle-t", "eagle-t-argmax"):
+        by_position = runs[name]["acceptance_by_position"]  # accepted at i / verifications
+        assert len(by_position) == 4 and by_position == sorted(by_position, reverse=True)
+        assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
+        assert runs[name]["temperature"] == (0.0 if name == "eagle" else 0.8)
+    assert runs["eagle-t"]["acceptance_rate"] > 0
+    assert payload["eagle"]["draft_cost"]["share"] > 0
+    rows = payload["eagle"]["batch_sweep"]["rows"]
+    for b in ("2", "16"):  # greedy: the same tokens with speculation off, forced and default
+        assert rows["off"][b]["tokens"] == rows["forced"][b]["tokens"] == 4 * int(b)
+        assert rows["default"][b]["tokens"] == 4 * int(b)
+    assert rows["default"]["2"]["acceptance_rate"] is not None  # on below disable_batch_size
+    assert rows["default"]["16"]["acceptance_rate"] is None  # off from it
+    names = [t["name"] for t in report.targets(payload)]
+    assert names[0] == "eagle: tokens per verification, k=4, greedy" and len(names) == 6
+    assert_every_number_shown(payload, "spec_decode.json")
 
 
 def test_component_benchmarks_run(tiny_llama, tmp_path, monkeypatch):
