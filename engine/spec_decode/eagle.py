@@ -24,10 +24,9 @@ from engine.model_loader import LoadedModel, default_dtype
 from engine.model_runner import ModelRunner, Span
 from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
-from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle_format import llama_config, load_head
-from engine.spec_decode.proposers import Proposal, TargetStep
+from engine.spec_decode.proposers import Proposal, TargetStep, draw_drafts
 from scheduler import ScheduledSequence
 
 # The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
@@ -138,25 +137,9 @@ class EagleProposer:
     def _draw(
         self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int]]
     ) -> tuple[list[int], torch.Tensor]:
-        """Drafts over the draft vocabulary, as target ids, with q over the target vocabulary
-        (zero outside the draft vocabulary): argmax for greedy requests, else a sample."""
-        batch = SamplingBatch.from_params(
-            temperature=[p.temperature for p, _ in rows],
-            top_k=[p.top_k for p, _ in rows],
-            top_p=[p.top_p for p, _ in rows],
-            min_p=[p.min_p for p, _ in rows],
-            device=logits.device,
-        )
-        q_draft = processed_probs(logits, batch)
-        generators = [
-            None
-            if p.seed is None
-            else torch.Generator(device=logits.device).manual_seed(
-                hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
-            )
-            for p, position in rows
-        ]
-        ids = sample_from_probs(q_draft, generators, self.generator)
+        """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
+        (zero outside the draft vocabulary)."""
+        ids, q_draft = draw_drafts(logits, rows, self.generator)
         d2t = self.head.d2t
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
         q[:, d2t] = q_draft

@@ -159,7 +159,8 @@ class DraftModelProposer:
             if not active:
                 break
             rows = [(params[i], len(scheduled[i].seq) + step) for i in active]
-            tokens, q = self._draw(logits, rows)
+            ids, q = draw_drafts(logits, rows, self.generator)
+            tokens = ids.tolist()
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
                 probs[i].append(q[j])
@@ -177,30 +178,6 @@ class DraftModelProposer:
             for p, q in zip(params, probs, strict=True)
         ]
         return Proposal(drafts, sampled, written)
-
-    def _draw(
-        self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int]]
-    ) -> tuple[list[int], torch.Tensor]:
-        """One draft per row: argmax for greedy requests, else a sample of q (the draft's
-        distribution processed like the target's). A seeded request draws position i from a
-        generator of its own, seeded by (seed, i), so its drafts do not depend on the batch."""
-        batch = SamplingBatch.from_params(
-            temperature=[p.temperature for p, _ in rows],
-            top_k=[p.top_k for p, _ in rows],
-            top_p=[p.top_p for p, _ in rows],
-            min_p=[p.min_p for p, _ in rows],
-            device=logits.device,
-        )
-        q = processed_probs(logits, batch)
-        generators = [
-            None
-            if p.seed is None
-            else torch.Generator(device=logits.device).manual_seed(
-                hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
-            )
-            for p, position in rows
-        ]
-        return sample_from_probs(q, generators, self.generator).tolist(), q
 
     def commit(
         self,
@@ -229,3 +206,30 @@ class DraftModelProposer:
     def release(self, seq_id: int) -> None:
         """The sequence finished or lost its blocks (preemption): its draft KV is gone."""
         self._valid.pop(seq_id, None)
+
+
+def draw_drafts(
+    logits: torch.Tensor, rows: list[tuple[SamplingParams, int]], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft id per row of a draft model's logits, with q (its distribution processed like
+    the target's: temperature, top-k, top-p, min-p): the argmax for greedy requests, else a
+    sample of q. ``rows[i]`` = (the request's params, the draft's position); a seeded request
+    draws from a generator of its own, seeded by (seed, position), so its drafts do not depend
+    on the batch; the others share ``generator``."""
+    batch = SamplingBatch.from_params(
+        temperature=[p.temperature for p, _ in rows],
+        top_k=[p.top_k for p, _ in rows],
+        top_p=[p.top_p for p, _ in rows],
+        min_p=[p.min_p for p, _ in rows],
+        device=logits.device,
+    )
+    q = processed_probs(logits, batch)
+    generators = [
+        None
+        if p.seed is None
+        else torch.Generator(device=logits.device).manual_seed(
+            hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
+        )
+        for p, position in rows
+    ]
+    return sample_from_probs(q, generators, generator), q
