@@ -121,7 +121,8 @@ def render_latency(p: dict) -> list[str]:
 SPEC_COLUMNS = (
     "workload={w} | system={system} | speculation={label} | tok/s={r[tokens_per_s]:.1f} | "
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
-    "tokens/round={r[mean_accepted_length]:.2f} | same tokens={r[same_tokens_as_reference]:.0%}"
+    "tokens/round={r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "same tokens={r[same_tokens_as_reference]:.0%}"
 )
 SWEEP_COLUMNS = (
     "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
@@ -144,17 +145,16 @@ def render_spec_decode(p: dict) -> list[str]:
             ours, none = system == "pagedspec", runs["none"]["tokens_per_s"]
             for k, r in runs.items():
                 label = f"{'ngram' if ours else 'prompt lookup'} k={k}"
+                by_position = (f"{a:.0%}" for a in r.get("acceptance_by_position", ()))
                 rows.append({"w": w, "r": r, "speedup": r["tokens_per_s"] / none,
                     "label": "no speculation" if k == "none" else label,
+                    "by_position": " / ".join(by_position),
                     "system": "pagedspec" if ours else "HF generate"})  # fmt: skip
     if rows:
-        lines += [
-            f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
-            f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of prompts "
-            "whose output equals pagedspec's without speculation",
-            "",
-            *_table(SPEC_COLUMNS, rows),
-        ]
+        lines += [f"- batch 1, greedy, up to {cfg['max_tokens']} tokens (stop at EOS), "
+                  f"{cfg['num_prompts']} prompts per workload; 'same tokens' is the share of "
+                  "prompts whose output equals pagedspec's without speculation", "",
+                  *_table(SPEC_COLUMNS, rows)]  # fmt: skip
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
     lines += _render_eagle(p["eagle"]) if p.get("eagle") else []
