@@ -26,7 +26,7 @@ from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle_format import llama_config, load_head
-from engine.spec_decode.proposers import Proposal, TargetStep, draw_drafts
+from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
 from scheduler import ScheduledSequence
 
 # The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
@@ -87,37 +87,18 @@ class EagleProposer:
             spans.append(Span(seq.token_ids[start : end + 1], start, 1 if k else 0, s.block_table))
             features.append(self._features(state, start, end + 1))
             written[seq.seq_id] = (end + 1, [])
-        drafts: list[list[int]] = [[] for _ in scheduled]
-        probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
-        active = [i for i, k in enumerate(ks) if k]
-        feats = torch.cat(features)
-        step = 0
-        while True:
+        h_last: dict[int, torch.Tensor] = {}  # scheduled index → h at its last span's end
+
+        def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
+            # first call: the target's features; then each draft's input is the previous h
+            feats = torch.stack([h_last[i] for i in owners]) if h_last else first_features
             logits, hidden = self.runner.forward(spans, features=feats, return_hidden=True)
-            if not active:
-                break
-            rows = [(params[i], scheduled[i].start + 1 + step) for i in active]
-            tokens, q = self._draw(logits, rows)
-            for j, i in enumerate(active):
-                drafts[i].append(tokens[j])
-                probs[i].append(q[j])
             ends = torch.tensor([len(sp.token_ids) for sp in spans]).cumsum(0) - 1
-            last = hidden[ends[active] if step == 0 else ends]  # h at each active span's end
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < ks[i]]
-            active = [active[j] for j in keep]
-            if not active:
-                break
-            spans = []
-            for i in active:
-                s = scheduled[i]
-                written[s.seq.seq_id][1].append(drafts[i][-1])
-                spans.append(Span([drafts[i][-1]], s.start + 1 + step, 1, s.block_table))
-            feats = last[keep]
-            step += 1
-        sampled = [
-            torch.stack(q) if p is not None and not p.greedy else None
-            for p, q in zip(params, probs, strict=True)
-        ]
+            h_last.update(zip(owners, hidden[ends], strict=True))
+            return logits
+
+        first_features = torch.cat(features)
+        drafts, sampled = chain_drafts(scheduled, ks, params, spans, forward, self._draw, written)
         return Proposal(drafts, sampled, written)
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:

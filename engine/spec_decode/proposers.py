@@ -11,6 +11,7 @@ fails before committing leaves it as it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -150,33 +151,15 @@ class DraftModelProposer:
             end = s.start + s.num_new_tokens
             spans.append(Span(seq.token_ids[start:end], start, 1 if k else 0, s.block_table))
             written[seq.seq_id] = (end, [])
-        drafts: list[list[int]] = [[] for _ in scheduled]
-        probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
-        active = [i for i, k in enumerate(ks) if k]
-        step = 0
-        while True:
-            logits = self.runner.forward(spans)
-            if not active:
-                break
-            rows = [(params[i], len(scheduled[i].seq) + step) for i in active]
+
+        def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
+            return self.runner.forward(spans)
+
+        def draw(logits, rows):
             ids, q = draw_drafts(logits, rows, self.generator)
-            tokens = ids.tolist()
-            for j, i in enumerate(active):
-                drafts[i].append(tokens[j])
-                probs[i].append(q[j])
-            active = [i for i in active if len(drafts[i]) < ks[i]]
-            if not active:
-                break
-            spans = []
-            for i in active:
-                s = scheduled[i]
-                written[s.seq.seq_id][1].append(drafts[i][-1])
-                spans.append(Span([drafts[i][-1]], len(s.seq) + step, 1, s.block_table))
-            step += 1
-        sampled = [
-            torch.stack(q) if p is not None and not p.greedy else None
-            for p, q in zip(params, probs, strict=True)
-        ]
+            return ids.tolist(), q
+
+        drafts, sampled = chain_drafts(scheduled, ks, params, spans, forward, draw, written)
         return Proposal(drafts, sampled, written)
 
     def commit(
@@ -233,3 +216,50 @@ def draw_drafts(
         for p, position in rows
     ]
     return sample_from_probs(q, generators, generator), q
+
+
+Forward = Callable[[list[Span], list[int]], torch.Tensor]
+Draw = Callable[[torch.Tensor, list[tuple[SamplingParams, int]]], tuple[list[int], torch.Tensor]]
+
+
+def chain_drafts(
+    scheduled: list[ScheduledSequence],
+    ks: list[int],
+    params: list[SamplingParams | None],
+    spans: list[Span],
+    forward: Forward,
+    draw: Draw,
+    written: dict[int, tuple[int, list[int]]],
+) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Chain drafting shared by the draft model and the EAGLE head: ``forward(spans, owners)``
+    runs the drafter (``owners[j]`` = the scheduled index of span j; the first call gets
+    ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
+    turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
+    in ``written``) until sequence i has ``ks[i]`` drafts. Returns the drafts and, per
+    sequence, q stacked where the drafts were sampled (None where argmax)."""
+    drafts: list[list[int]] = [[] for _ in scheduled]
+    probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
+    active = [i for i, k in enumerate(ks) if k]
+    logits = forward(spans, list(range(len(spans))))
+    step = 0
+    while active:
+        rows = [(params[i], scheduled[i].start + 1 + step) for i in active]
+        tokens, q = draw(logits, rows)
+        for j, i in enumerate(active):
+            drafts[i].append(tokens[j])
+            probs[i].append(q[j])
+        active = [i for i in active if len(drafts[i]) < ks[i]]
+        if not active:
+            break
+        spans = []
+        for i in active:
+            s = scheduled[i]
+            written[s.seq.seq_id][1].append(drafts[i][-1])
+            spans.append(Span([drafts[i][-1]], s.start + 1 + step, 1, s.block_table))
+        logits = forward(spans, active)
+        step += 1
+    sampled = [
+        torch.stack(q) if p is not None and not p.greedy else None
+        for p, q in zip(params, probs, strict=True)
+    ]
+    return drafts, sampled
