@@ -33,6 +33,7 @@ class RequestGroup:
     engine: AsyncEngine
     metrics: ServerMetrics
     request_ids: list[str]
+    n: int  # choices per request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
     timings: dict[str, _Timing] = field(default_factory=dict)
@@ -48,14 +49,16 @@ class RequestGroup:
         """Add one engine request per prompt; if any is rejected, abort the others and raise
         the first rejection (ValueError, QueueFullError, EngineDeadError)."""
         base = uuid.uuid4().hex
-        group = cls(engine, metrics, [f"{base}-{i}" for i in range(len(prompts))])
+        group = cls(engine, metrics, [f"{base}-{i}" for i in range(len(prompts))], params.n)
         now = time.perf_counter()
         adds = [
             engine.add(rid, prompt, params, group.queue)
             for rid, prompt in zip(group.request_ids, prompts, strict=True)
         ]
         added = await asyncio.gather(*adds, return_exceptions=True)
-        group.unfinished = set(group.request_ids)
+        group.unfinished = {
+            rid for rid, e in zip(group.request_ids, added, strict=True) if e is None
+        }
         group.timings = {rid: _Timing(now) for rid in group.request_ids}
         errors = [e for e in added if isinstance(e, BaseException)]
         if errors:
@@ -83,8 +86,10 @@ class RequestGroup:
         return [final[rid] for rid in self.request_ids]
 
     def close(self) -> None:
+        """Abort the requests still running (their choices count as finished by "abort")."""
         for request_id in self.unfinished:
             self.engine.abort(request_id)
+            self.metrics.requests.labels(finished_reason="abort").inc(self.n)
         self.unfinished.clear()
 
     def _record(self, out: RequestOutput) -> None:
