@@ -7,7 +7,9 @@ blocks) and stops the engine thread, and the process exits with status 0.
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -17,12 +19,19 @@ from engine.serve.async_engine import AsyncEngine
 from engine.serve.cli import parse_args
 
 
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # While serving, uvicorn's own handler runs the graceful shutdown; it then restores this
+    # handler and re-raises SIGTERM to it, which is how the process ends with status 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     engine = AsyncEngine(LLMEngine(args.engine), args.max_queue)
     app = create_app(engine, args.served_model_name, args.api_key)
     config = uvicorn.Config(
