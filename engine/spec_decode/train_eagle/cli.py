@@ -49,11 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=0.2, help="uniform noise width on features")
     p.add_argument("--soft-ce", action="store_true", help="CE on the target's distribution")
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of CE against SmoothL1")
-    p.add_argument(
-        "--init-from-target",
-        action="store_true",
-        help="start the head's decoder layer from the target's last decoder layer",
-    )
     p.add_argument("--eval-steps", type=int, default=4, help="chain length of the evaluation")
     p.add_argument(
         "--heldout-chat",
@@ -135,7 +130,6 @@ def main(argv: list[str] | None = None) -> dict:
     target = loader()
     embed = target.get_input_embeddings().weight.detach().float()
     lm_rows = target.get_output_embeddings().weight.detach().float()
-    last_layer = {k: v.float() for k, v in target.model.layers[-1].state_dict().items()}
     hf_config = target.config
     target_compute = sum(p.numel() for p in target.model.layers.parameters()) + lm_rows.numel()
     del target
@@ -151,12 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         head.d2t.copy_(d2t)
         head.lm_head.weight.copy_(lm_rows[d2t])
-    if args.init_from_target:
-        head.layer.load_state_dict(last_layer)
     steps = args.steps or max(1, math.ceil(args.epochs * math.ceil(len(train) / args.batch_size)))
     cfg = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr,
                       ttt_steps=args.ttt_steps, noise=args.noise, soft_ce=args.soft_ce,
-                      ce_weight=args.ce_weight, init_from_target=args.init_from_target,
+                      ce_weight=args.ce_weight,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
                       warmup=min(50, max(1, steps // 10)))  # fmt: skip
     state = train_head(head, train, embed, t2d, lm_rows[d2t], cfg, work)

@@ -29,7 +29,6 @@ class TrainConfig:
     noise: float = 0.2
     ce_weight: float = 0.1
     soft_ce: bool = False
-    init_from_target: bool = False  # decoder layer started from the target's last layer
     max_len: int = 512
     checkpoint_every: int = 200
     log_every: int = 10
