@@ -93,8 +93,8 @@ class EagleProposer:
             # first call: the target's features; then each draft's input is the previous h
             feats = torch.stack([h_last[i] for i in owners]) if h_last else first_features
             logits, hidden = self.runner.forward(spans, features=feats, return_hidden=True)
-            ends = torch.tensor([len(sp.token_ids) for sp in spans]).cumsum(0) - 1
-            h_last.update(zip(owners, hidden[ends], strict=True))
+            drafting = [i for i, sp in zip(owners, spans, strict=True) if sp.num_logits]
+            h_last.update(zip(drafting, hidden, strict=True))  # h at each drafting span's end
             return logits
 
         first_features = torch.cat(features)
