@@ -2,8 +2,8 @@
 
 N-gram drafts are deterministic (q one-hot): accepted with p(x), recovered from p without x.
 A draft model drafts greedily for greedy requests and otherwise samples each draft from q, its
-own distribution after the request's temperature, top-k, top-p and min-p; the verifier then
-accepts with min(1, p/q). Both keep the output law exactly the target's.
+own distribution after the request's penalties, temperature, top-k, top-p and min-p; the
+verifier then accepts with min(1, p/q). Both keep the output law exactly the target's.
 
 A proposer's state moves only in ``commit``, called when the engine commits a step: a step that
 fails before committing leaves it as it was.
