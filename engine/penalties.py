@@ -77,14 +77,25 @@ def apply_penalties(
 def _penalise(
     logits: torch.Tensor, histories: list[TokenHistory], token_map: torch.Tensor | None
 ) -> torch.Tensor:
-    """Every row of these histories penalised: one padded [spans, L] tensor of their tokens,
-    gathered per row and masked to the row's prompt and output positions."""
+    """Every row of these histories penalised. Only the logits of seen tokens change, so the
+    work is on [rows, L] (L the longest history) plus one copy of the logits: one padded
+    [spans, L] tensor of the histories' tokens, gathered per row and masked to the positions
+    the row follows (its prompt, its outputs, the drafts before it)."""
     device, num_spans = logits.device, len(histories)
-    width = logits.shape[1] if token_map is None else int(token_map.max()) + 1
+    num_columns = logits.shape[1]
+    # column_of[t]: the logit column of token t, -1 for none (padding; outside a token map)
+    if token_map is None:
+        width = num_columns
+        column_of = torch.arange(width + 1, device=device)
+    else:
+        width = int(token_map.max()) + 1
+        column_of = torch.zeros(width + 1, dtype=torch.long, device=device)
+        column_of[token_map] = torch.arange(1, num_columns + 1, device=device)
+        column_of -= 1
+    column_of[width] = -1
     lengths = torch.tensor([len(h.token_ids) + len(h.drafts) for h in histories], device=device)
-    longest = int(lengths.max())
-    positions = torch.arange(longest, device=device)
-    padded = torch.full((num_spans, longest), width, dtype=torch.long, device=device)
+    positions = torch.arange(int(lengths.max()), device=device)
+    padded = torch.full((num_spans, len(positions)), width, dtype=torch.long, device=device)
     flat = itertools.chain.from_iterable(itertools.chain(h.token_ids, h.drafts) for h in histories)
     padded[positions < lengths[:, None]] = torch.tensor(list(flat), device=device)
 
@@ -94,23 +105,26 @@ def _penalise(
     # row j of a span leaves out the span's last num_rows - 1 - j drafts
     end = lengths[span] - (num_rows[span] - 1 - row_in_span)
     prompt_len = torch.tensor([h.num_prompt_tokens for h in histories], device=device)[span]
-    # ids beyond the map's range (outside a reduced vocabulary) land in the dropped column
-    ids = padded[span].clamp(max=width)
-    in_output = (positions >= prompt_len[:, None]) & (positions < end[:, None])
-    counts = torch.zeros(len(span), width + 1, device=device, dtype=logits.dtype)
-    ones = torch.ones_like(ids, dtype=counts.dtype)
-    counts.scatter_add_(1, torch.where(in_output, ids, width), ones)
-    in_prompt = torch.zeros(len(span), width + 1, device=device, dtype=torch.bool)
-    in_prompt.scatter_(1, torch.where(positions < prompt_len[:, None], ids, width), True)
-    if token_map is None:
-        counts, in_prompt = counts[:, : logits.shape[1]], in_prompt[:, : logits.shape[1]]
-    else:
-        counts, in_prompt = counts[:, token_map], in_prompt[:, token_map]
+    columns = column_of[padded[span].clamp(max=width)]  # [R, L]
+    seen = (positions < end[:, None]) & (columns >= 0)
+    in_output = seen & (positions >= prompt_len[:, None])
+    # unseen positions point at the row's first seen column (and so write what it writes);
+    # a row that saw nothing points at column 0 and leaves it as it was
+    anchor = columns.gather(1, seen.int().argmax(1, keepdim=True)).clamp(min=0)
+    columns = torch.where(seen, columns, anchor)
+    # how often each position's column occurs among the row's outputs, by binary search in the
+    # row's sorted output columns (no dense [R, V] count to fill)
+    outputs = torch.where(in_output, columns, num_columns).sort(1).values
+    count = torch.searchsorted(outputs, columns, right=True) - torch.searchsorted(outputs, columns)
+    count = count.to(logits.dtype)
+    before = logits.gather(1, columns)
 
     def per_row(name: str) -> torch.Tensor:
         values = [getattr(h.params, name) for h in histories]
         return torch.tensor(values, dtype=logits.dtype, device=device)[span, None]
 
-    repetition = torch.where((counts > 0) | in_prompt, per_row("repetition_penalty"), 1.0)
-    out = torch.where(logits > 0, logits / repetition, logits * repetition)
-    return out - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0)
+    r = per_row("repetition_penalty")
+    after = torch.where(before > 0, before / r, before * r)
+    after = after - per_row("frequency_penalty") * count - per_row("presence_penalty") * (count > 0)
+    after = torch.where(seen.any(1, keepdim=True), after, before)
+    return logits.scatter(1, columns, after)

@@ -81,6 +81,8 @@ def test_penalties_over_a_reduced_vocabulary_follow_its_token_map():
     rng = random.Random(7)
     target_vocab, token_map = 30, torch.tensor([0, 3, 4, 9, 17, 22, 29])
     histories = random_histories(rng, target_vocab, 6)
+    # a row whose every token lies outside the map: nothing to penalise
+    histories.append(TokenHistory(SamplingParams(presence_penalty=1.0), [1, 2, 5], 2))
     num_rows = sum(h.num_rows for h in histories)
     full = torch.randn(num_rows, target_vocab, generator=torch.Generator().manual_seed(1)) * 3
     out = apply_penalties(full[:, token_map], histories, token_map)
