@@ -20,8 +20,12 @@ $(STAMP): setup.py
 	    || echo "warning: the C++ CPU kernels did not build (g++ and ninja needed); the torch backend will run"
 	touch $(STAMP)
 
+# The CPU kernel and model tests run a second time on ATen's AVX2 paths (and an AVX2 build of
+# the C++ kernels), which an AVX512 machine would otherwise never exercise.
 test: setup
 	$(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py \
+	    tests/test_layers_fused.py tests/test_models.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -30,8 +30,11 @@ T = TypeVar("T")
 # Config field -> the option (argparse dest) that sets it.
 SAMPLING_OPTIONS = {
     name: name
-    for name in ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens")
-} | {"stop": "stop", "ignore_eos": "ignore_eos", "seed": "request_seed"}
+    for name in (
+        "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+        "presence_penalty", "frequency_penalty", "repetition_penalty",
+    )
+} | {"stop": "stop", "ignore_eos": "ignore_eos", "seed": "request_seed"}  # fmt: skip
 SPECULATIVE_OPTIONS = {
     "method": "speculative_method",
     "num_speculative_tokens": "num_speculative_tokens",
@@ -101,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k", type=int, default=0, help="sample from the k likeliest (0 or -1: off)"
     )
     s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
+    s.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted once per generated token"
+    )
+    s.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence so far"
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divides (or multiplies, if negative) the logit of any token seen; 1 = off",
+    )
     s.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
     s.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")

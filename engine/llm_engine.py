@@ -139,7 +139,9 @@ class LLMEngine:
             drafts, q = proposal.drafts[i], proposal.draft_probs[i]
             for index in [sample.index] if outputs else range(request.params.n):
                 # (a finished prompt feeds all n samples at once)
-                jobs.append(SampleJob(request.params, index, outputs, rows, drafts, q))
+                jobs.append(
+                    SampleJob(request.params, index, outputs, s.seq.token_ids, rows, drafts, q)
+                )
                 owners.append(i)
         results: list[list[SampleResult]] = [[] for _ in sched.scheduled]
         for i, result in zip(owners, self.step_sampler(jobs), strict=True):

@@ -61,7 +61,8 @@ class ModelRunner:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one packed forward; returns float32 logits [sum(num_logits), vocab], and with
         ``return_hidden`` the final hidden states of every token too. ``features`` (one row per
-        token) go to a model that reads them (a draft head)."""
+        token) go to a model that reads them (a draft head), which computes only the rows that
+        take logits: its hidden states are those rows'."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -97,11 +98,15 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        extra = {} if features is None else {"features": features}
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
-        rows = hidden
-        if len(logit_rows) != hidden.shape[0]:
-            rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
+        row_index = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+        if features is not None:  # a draft head computes its logit rows only
+            if any(span.num_logits > 1 for span in spans):
+                raise ValueError("a draft head's spans take at most one logit row each")
+            hidden = self.model(ids, pos, self.kv_caches, meta, features, row_index)
+            rows = hidden
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+            rows = hidden if len(logit_rows) == hidden.shape[0] else hidden[row_index]
         logits = self.model.compute_logits(rows)
         return (logits, hidden) if return_hidden else logits

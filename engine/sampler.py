@@ -195,8 +195,9 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: Sequence[int], num_top: int
 ) -> list[dict[int, float]]:
     """Logprobs as vLLM reports them: of the raw model distribution (log_softmax of the logits
-    before temperature, top-k/p, min-p or min_tokens masking), for ``token_ids[j]`` at row j,
-    plus the ``num_top`` most likely ids of each row. One dict per row: {token id: logprob}."""
+    before penalties, temperature, top-k/p, min-p or min_tokens masking), for ``token_ids[j]``
+    at row j, plus the ``num_top`` most likely ids of each row. One dict per row:
+    {token id: logprob}."""
     rows = logits[: len(token_ids)].float().log_softmax(-1)
     picked = rows.gather(1, torch.tensor(token_ids, device=rows.device)[:, None])[:, 0].tolist()
     result = [{t: lp} for t, lp in zip(token_ids, picked, strict=True)]

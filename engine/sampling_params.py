@@ -14,6 +14,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # vLLM's / OpenAI's penalties, applied to the raw logits before temperature (see
+    # engine/penalties.py): presence and frequency count generated tokens only, repetition
+    # every token of the prompt or the output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -51,6 +57,16 @@ class SamplingParams:
         _check_number("min_p", self.min_p, "a number in [0, 1]")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value, "a number in [-2, 2]")
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
         if self.max_tokens is not None:
@@ -83,6 +99,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 def _check_number(name: str, value: object, allowed: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import Sampler, SamplingBatch, processed_probs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection import rejection_sample
@@ -31,6 +32,7 @@ class SampleJob:
     params: SamplingParams
     index: int  # which of the request's n samples
     num_outputs: int  # output tokens before this step
+    token_ids: Sequence[int]  # the prompt, then those num_outputs tokens (for penalties)
     rows: torch.Tensor  # float32 [1 + len(drafts), V] of the target's logits
     drafts: Sequence[int]
     draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
@@ -56,6 +58,7 @@ class StepSampler:
             tokens[i] = emitted
         for i, emitted in zip(sampled, self._rejection([jobs[i] for i in sampled]), strict=True):
             tokens[i] = emitted
+        # logprobs are of the raw rows: before min_tokens masking, penalties and temperature
         return [
             SampleResult(
                 emitted,
@@ -67,7 +70,8 @@ class StepSampler:
         ]
 
     def _batch(self, jobs: list[SampleJob]) -> tuple[torch.Tensor, SamplingBatch, list[int]]:
-        """Every row of every job, masked for min_tokens, with its sampling parameters."""
+        """Every row of every job, masked for min_tokens and penalised (row j of a span counts
+        drafts[:j] as generated), with its sampling parameters."""
         starts, rows, params, generators = [], [], [], []
         for job in jobs:
             starts.append(len(params))
@@ -75,6 +79,8 @@ class StepSampler:
             params.extend([job.params] * job.rows.shape[0])
             generators.extend(_position_generators(job))
         logits = concat_rows(rows)
+        if any(job.params.has_penalties for job in jobs):  # else no work at all
+            logits = apply_penalties(logits, [_history(job) for job in jobs])
         batch = SamplingBatch.from_params(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
@@ -140,6 +146,11 @@ class StepSampler:
         rows = job.rows.clone()
         rows[:short, banned] = float("-inf")
         return rows
+
+
+def _history(job: SampleJob) -> TokenHistory:
+    num_prompt_tokens = len(job.token_ids) - job.num_outputs
+    return TokenHistory(job.params, job.token_ids, num_prompt_tokens, job.drafts, job.rows.shape[0])
 
 
 def _round_generator(job: SampleJob) -> torch.Generator:

@@ -3,15 +3,19 @@ Linear (with SwiGLU fused in), and fused decoder-layer ops.
 
 Compiled with torch.utils.cpp_extension (g++ and ninja) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a process needs them, about
-a minute once per machine (``make setup`` does it); later processes load the cached build, and
-an edited source is rebuilt. The build targets the SIMD level torch itself dispatches to on this
-CPU (ATen's Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP
-runtime where the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the
-system soname), so torch.set_num_threads applies to the kernels too.
+a minute once per machine (``make setup`` does it); later processes load the cached build. The
+build's name carries a hash of the sources, the flags, Python and torch, so two checkouts or
+virtualenvs share a build when these agree and never rebuild over each other's when they differ.
+The build targets the SIMD level torch itself dispatches to on this CPU (ATen's
+Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP runtime where
+the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the system soname),
+so torch.set_num_threads applies to the kernels too.
 """
 
 import functools
+import hashlib
 import logging
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -36,12 +40,24 @@ def load() -> ModuleType:
     capability = torch.backends.cpu.get_cpu_capability()
     simd = capability if capability in _SIMD_FLAGS else "DEFAULT"
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={simd}", f"-DCPU_CAPABILITY_{simd}"]
+    flags += _SIMD_FLAGS.get(simd, [])
     return cpp_extension.load(
-        name=f"pagedspec_cpu_{simd.lower()}",
+        name=build_name(simd, flags, _CSRC),
         sources=[str(_CSRC / name) for name in _SOURCES],
-        extra_cflags=flags + _SIMD_FLAGS.get(simd, []),
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
     )
+
+
+def build_name(simd: str, flags: list[str], csrc: Path) -> str:
+    """``pagedspec_cpu_<simd>_<hash>``: the hash covers every file in ``csrc`` (sources and
+    headers), the compiler flags, the Python version and torch's version."""
+    digest = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join([*flags, sys.version, torch.__version__]).encode())
+    return f"pagedspec_cpu_{simd.lower()}_{digest.hexdigest()[:16]}"
 
 
 @functools.cache

@@ -61,6 +61,42 @@ def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
             assert draft == int(d2t[reference.lm_head(h).argmax()])
 
 
+def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
+    """k = 3: draft j + 1 comes from (d_j, h) at position C + j, h being the head's own output at
+    C + j - 1, attending to the context's KV (from the target's features) and the chain's own;
+    recomputed here by running the training module's head over the growing sequence."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=eagle(head, k=3))
+    proposer = llm.llm_engine.spec.proposer
+    propose, seen = proposer.propose, []
+
+    def recording(scheduled, ks, params):
+        proposal = propose(scheduled, ks, params)
+        for s, d in zip(scheduled, proposal.drafts, strict=True):
+            if len(d) > 1:
+                seen.append((list(s.seq.token_ids), list(d)))
+        return proposal
+
+    proposer.propose = recording
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert len(seen) > 5
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+    reference = ReferenceHead.from_dir(head)
+    d2t = load_head(head)[0]["d2t"]
+    with torch.no_grad():
+        for tokens, drafts in seen:
+            # features known before this step: positions 0 .. C - 1 (C = len(tokens) - 1)
+            feats = list(hf(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+                         .hidden_states[-1][0])  # fmt: skip
+            seq, expected = list(tokens), []
+            for _ in drafts:
+                padded = torch.stack(feats + [torch.zeros_like(feats[0])]).unsqueeze(0)
+                h = reference(hf.model.embed_tokens(torch.tensor([seq])), padded)[0][0, -1]
+                expected.append(int(d2t[reference.lm_head(h).argmax()]))
+                feats.append(h)  # the feature of the drafted position's predecessor
+                seq.append(expected[-1])
+            assert drafts == expected
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

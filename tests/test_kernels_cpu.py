@@ -262,3 +262,16 @@ def test_cpu_cache_write_across_threads_matches_reference(gen):
     kernels.write_kv_cache(key, value, *got, slots, backend="cpu")
     reference.write_kv_cache(key, value, *expect, slots)
     assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+
+
+def test_build_name_follows_sources_flags_and_versions(tmp_path):
+    """Two checkouts with the same sources share a build; any edit, other flags or another
+    torch names a different one (so builds never overwrite each other's)."""
+    (tmp_path / "a.cpp").write_text("int f() { return 1; }\n")
+    (tmp_path / "a.h").write_text("int f();\n")
+    name = cpu_extension.build_name("AVX2", ["-O3"], tmp_path)
+    assert name.startswith("pagedspec_cpu_avx2_")
+    assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) == name
+    assert cpu_extension.build_name("AVX2", ["-O2"], tmp_path) != name
+    (tmp_path / "a.h").write_text("int f(void);\n")
+    assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) != name

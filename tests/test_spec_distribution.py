@@ -5,6 +5,10 @@ transformers, by a chi-square test at p = 1e-4.
 Drafts start after the first output token (that one comes from the prefill), so the joint covers
 output tokens 0..3: tokens 1..3 went through verification (accepted drafts, recovered tokens and
 bonus tokens). With speculation off the same test is a control of the test itself.
+
+The penalised cases make row j of a verification span depend on the drafts before it (they
+count as generated tokens there): a verifier that counted only the committed tokens would give
+a p that no plain decode samples from, and fails them.
 """
 
 from __future__ import annotations
@@ -56,17 +60,37 @@ def drafts(tmp_path_factory, target) -> dict[str, str]:
     }
 
 
+# strong enough that a token accepted as a draft moves the next rows' law a lot
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.6)
+
+
+def penalised(logits: torch.Tensor, prefixes: torch.Tensor, params: dict) -> torch.Tensor:
+    """vLLM's penalties on logits [P, 4, V]: row i of prefix n follows PROMPT and its first i
+    output tokens ``prefixes[n, :i]``."""
+    if not params:
+        return logits
+    one_hot = torch.nn.functional.one_hot(prefixes, VOCAB).double()  # [P, 3, V]
+    counts = torch.cat([torch.zeros_like(one_hot[:, :1]), one_hot.cumsum(1)], dim=1)  # [P, 4, V]
+    in_prompt = torch.zeros(VOCAB, dtype=torch.bool)
+    in_prompt[PROMPT] = True
+    r = params["repetition_penalty"]
+    seen = (counts > 0) | in_prompt
+    out = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return out - params["frequency_penalty"] * counts - params["presence_penalty"] * (counts > 0)
+
+
 @pytest.fixture(scope="module")
 def exact_joint(target):
-    """temperature -> float64 [V, V, V, V]: P(output tokens 0..3 = (a, b, c, d))."""
+    """(temperature, penalties) -> float64 [V, V, V, V]: P(output tokens 0..3 = (a, b, c, d))."""
     model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
     prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=MAX_TOKENS - 1)))
     ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
     with torch.no_grad():
         logits = model(ids).logits[:, len(PROMPT) - 1 :]  # [V^3, 4, V]: next-token logits
 
-    def joint(temperature: float) -> torch.Tensor:
-        probs = (logits / temperature).softmax(-1).reshape(VOCAB, VOCAB, VOCAB, MAX_TOKENS, VOCAB)
+    def joint(temperature: float, penalties: dict) -> torch.Tensor:
+        scaled = penalised(logits, prefixes, penalties) / temperature
+        probs = scaled.softmax(-1).reshape(VOCAB, VOCAB, VOCAB, MAX_TOKENS, VOCAB)
         p0 = probs[0, 0, 0, 0]  # P(t0 | prompt)
         p1 = probs[:, 0, 0, 1]  # P(t1 | t0): [t0, t1]
         p2 = probs[:, :, 0, 2]  # P(t2 | t0, t1)
@@ -76,10 +100,10 @@ def exact_joint(target):
     return joint
 
 
-def sample_joint(llm: LLM, temperature: float) -> torch.Tensor:
+def sample_joint(llm: LLM, temperature: float, penalties: dict) -> torch.Tensor:
     """Counts [V, V, V, V] of the engine's first four output tokens over NUM_SAMPLES samples."""
     params = SamplingParams(
-        n=NUM_SAMPLES, temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True
+        n=NUM_SAMPLES, temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True, **penalties
     )
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
     assert len(out.outputs) == NUM_SAMPLES
@@ -108,24 +132,29 @@ def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
 
 
 @pytest.mark.parametrize(
-    "method, temperature",
+    "method, temperature, penalties",
     [
-        ("off", 1.0),  # control: the test itself accepts plain sampling
-        ("ngram", 1.0),
-        ("draft-other", 1.0),
-        ("draft-noisy", 1.0),
-        ("draft-noisy", 0.7),
-        ("ngram", 0.7),
-        ("eagle", 1.0),
-        ("eagle", 0.7),
+        ("off", 1.0, {}),  # control: the test itself accepts plain sampling
+        ("ngram", 1.0, {}),
+        ("draft-other", 1.0, {}),
+        ("draft-noisy", 1.0, {}),
+        ("draft-noisy", 0.7, {}),
+        ("ngram", 0.7, {}),
+        ("eagle", 1.0, {}),
+        ("eagle", 0.7, {}),
+        ("off", 1.0, PENALTIES),  # control: the penalised law and plain penalised sampling
+        ("draft-noisy", 1.0, PENALTIES),  # sampled drafts: rejection sampling
+        ("eagle", 1.0, PENALTIES),  # sampled drafts over a reduced vocabulary
+        ("ngram", 1.0, PENALTIES),  # deterministic drafts: sample and match
     ],
+    ids=lambda v: ("penalties" if v else "plain") if isinstance(v, dict) else None,
 )
 def test_speculative_sampling_follows_the_target_joint_law(
-    target, drafts, exact_joint, method, temperature
+    target, drafts, exact_joint, method, temperature, penalties
 ):
     llm = make_llm(target, drafts, method)
-    counts = sample_joint(llm, temperature)
-    law = exact_joint(temperature)
+    counts = sample_joint(llm, temperature, penalties)
+    law = exact_joint(temperature, penalties)
     stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     if method != "off":

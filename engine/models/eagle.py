@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from engine.models.attention import AttentionMetadata
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, head_dim_of
@@ -34,12 +35,38 @@ class EagleHead(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         features: torch.Tensor,
+        logit_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """features [T, H]: feature_{i-1} for the token at each position i. Returns h [T, H],
-        the head's estimate of the target's feature at each position."""
+        """features [T, H]: feature_{i-1} for the token at each position i. Returns h
+        [len(logit_rows), H], the head's estimate of the target's feature at those rows.
+
+        Every token writes its K/V (all that later positions read of it); only the logit rows,
+        each the last token of its span, go on through attention and the MLP. A span that
+        mirrors the target's (no drafts this step) thus costs fc and the K/V projection only.
+        """
+        layer, attn = self.layer, self.layer.self_attn
         x = torch.cat([self.embed_tokens[0](input_ids), features.to(self.fc.weight.dtype)], -1)
+        x = self.fc(x)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        return self.layer(self.fc(x), cos, sin, kv_caches[0], meta)
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        k_cache, v_cache = kv_caches[0]
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        # the spans that own a logit row (the row is their last token, so searchsorted finds it)
+        ends = meta.cu_query_lens[1:].to(torch.int64) - 1
+        spans = torch.searchsorted(ends, logit_rows)
+        rows = len(logit_rows)
+        out = kernels.paged_attention(
+            q[logit_rows],
+            k_cache,
+            v_cache,
+            meta.block_tables[spans],
+            torch.arange(rows + 1, dtype=torch.int32, device=x.device),
+            meta.seq_lens[spans],
+            attn.attn.scale,
+            backend=meta.backend,
+        )
+        h = x[logit_rows] + attn.o_proj(out.reshape(rows, attn.q_size))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """h [N, H] -> float32 logits over the draft vocabulary [N, draft_vocab_size]."""

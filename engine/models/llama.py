@@ -68,6 +68,14 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], q and k normed and rotated."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -77,8 +85,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # One rope call rotates the query and key heads together.
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

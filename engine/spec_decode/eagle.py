@@ -24,6 +24,7 @@ from engine.model_loader import LoadedModel, default_dtype
 from engine.model_runner import ModelRunner, Span
 from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
+from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle_format import llama_config, load_head
 from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
@@ -93,8 +94,8 @@ class EagleProposer:
             # first call: the target's features; then each draft's input is the previous h
             feats = torch.stack([h_last[i] for i in owners]) if h_last else first_features
             logits, hidden = self.runner.forward(spans, features=feats, return_hidden=True)
-            ends = torch.tensor([len(sp.token_ids) for sp in spans]).cumsum(0) - 1
-            h_last.update(zip(owners, hidden[ends], strict=True))
+            drafting = [i for i, sp in zip(owners, spans, strict=True) if sp.num_logits]
+            h_last.update(zip(drafting, hidden, strict=True))  # h at each drafting span's end
             return logits
 
         first_features = torch.cat(features)
@@ -116,12 +117,12 @@ class EagleProposer:
         return out
 
     def _draw(
-        self, logits: torch.Tensor, rows: list[tuple[SamplingParams, int]]
+        self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]]
     ) -> tuple[list[int], torch.Tensor]:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
         (zero outside the draft vocabulary)."""
-        ids, q_draft = draw_drafts(logits, rows, self.generator)
         d2t = self.head.d2t
+        ids, q_draft = draw_drafts(logits, rows, self.generator, d2t)
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
         q[:, d2t] = q_draft
         return d2t[ids].tolist(), q

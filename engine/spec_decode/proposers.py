@@ -2,8 +2,8 @@
 
 N-gram drafts are deterministic (q one-hot): accepted with p(x), recovered from p without x.
 A draft model drafts greedily for greedy requests and otherwise samples each draft from q, its
-own distribution after the request's temperature, top-k, top-p and min-p; the verifier then
-accepts with min(1, p/q). Both keep the output law exactly the target's.
+own distribution after the request's penalties, temperature, top-k, top-p and min-p; the
+verifier then accepts with min(1, p/q). Both keep the output law exactly the target's.
 
 A proposer's state moves only in ``commit``, called when the engine commits a step: a step that
 fails before committing leaves it as it was.
@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from engine.model_runner import ModelRunner, Span
+from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram import propose_ngram
@@ -192,34 +193,41 @@ class DraftModelProposer:
 
 
 def draw_drafts(
-    logits: torch.Tensor, rows: list[tuple[SamplingParams, int]], generator: torch.Generator
+    logits: torch.Tensor,
+    rows: list[tuple[TokenHistory, int]],
+    generator: torch.Generator,
+    token_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft id per row of a draft model's logits, with q (its distribution processed like
-    the target's: temperature, top-k, top-p, min-p): the argmax for greedy requests, else a
-    sample of q. ``rows[i]`` = (the request's params, the draft's position); a seeded request
-    draws from a generator of its own, seeded by (seed, position), so its drafts do not depend
-    on the batch; the others share ``generator``."""
+    the target's: penalties, temperature, top-k, top-p, min-p): the argmax for greedy requests,
+    else a sample of q. ``rows[i]`` = (the request's params and the tokens the draft follows,
+    the draft's position); a seeded request draws from a generator of its own, seeded by
+    (seed, position), so its drafts do not depend on the batch; the others share ``generator``.
+    ``token_map``: the target id of each logit column (a reduced draft vocabulary)."""
+    params = [h.params for h, _ in rows]
     batch = SamplingBatch.from_params(
-        temperature=[p.temperature for p, _ in rows],
-        top_k=[p.top_k for p, _ in rows],
-        top_p=[p.top_p for p, _ in rows],
-        min_p=[p.min_p for p, _ in rows],
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
         device=logits.device,
     )
-    q = processed_probs(logits, batch)
+    # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
+    # it too keeps the drafts close to what the target will accept
+    q = processed_probs(apply_penalties(logits, [h for h, _ in rows], token_map), batch)
     generators = [
         None
         if p.seed is None
         else torch.Generator(device=logits.device).manual_seed(
             hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
         )
-        for p, position in rows
+        for p, (_, position) in zip(params, rows, strict=True)
     ]
     return sample_from_probs(q, generators, generator), q
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
-Draw = Callable[[torch.Tensor, list[tuple[SamplingParams, int]]], tuple[list[int], torch.Tensor]]
+Draw = Callable[[torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor]]
 
 
 def chain_drafts(
@@ -243,7 +251,8 @@ def chain_drafts(
     logits = forward(spans, list(range(len(spans))))
     step = 0
     while active:
-        rows = [(params[i], scheduled[i].start + 1 + step) for i in active]
+        rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
+                for i in active]  # fmt: skip
         tokens, q = draw(logits, rows)
         for j, i in enumerate(active):
             drafts[i].append(tokens[j])
@@ -263,3 +272,8 @@ def chain_drafts(
         for p, q in zip(params, probs, strict=True)
     ]
     return drafts, sampled
+
+
+def _history(s: ScheduledSequence, params: SamplingParams, drafts: list[int]) -> TokenHistory:
+    """A draft follows the sequence's tokens and the drafts chained before it."""
+    return TokenHistory(params, s.seq.token_ids, s.seq.num_prompt_tokens, tuple(drafts))
