@@ -185,6 +185,25 @@ def test_n_stop_and_seed(server, llm):
     assert sampled() == sampled()
 
 
+def test_penalties_pass_through(server, llm):
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    plain, penalised = llm.generate(
+        PROMPTS[:1] * 2,
+        [greedy(max_tokens=24), greedy(max_tokens=24, **penalties)],
+        use_tqdm=False,
+    )
+    assert plain.outputs[0].token_ids != penalised.outputs[0].token_ids  # the test can fail
+    r = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+        presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert r.choices[0].text == penalised.outputs[0].text
+    r = server.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "hi", "presence_penalty": 9}
+    )
+    _error(r, 400, "presence_penalty")
+
+
 def test_logprobs_formats(server, llm):
     (expected,) = llm.chat(MESSAGES, greedy(max_tokens=3, logprobs=2), use_tqdm=False)
     r = server.client.chat.completions.create(
