@@ -16,6 +16,8 @@ Every rank makes the same three process groups, in the same order:
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,14 +59,24 @@ class Rendezvous:
         )
 
 
-def join(rv: Rendezvous) -> dist.ProcessGroup:
-    """Join the group (the default group is gloo); returns ``control``."""
+def join(rv: Rendezvous, check_workers: Callable[[], None] | None = None) -> dist.ProcessGroup:
+    """Join the group (the default group is gloo); returns ``control``. Rank 0 waits for the
+    others to check in at its TCP store, calling ``check_workers`` (which raises when a
+    spawned worker died, e.g. at import) meanwhile instead of waiting out the timeout."""
+    is_master = rv.rank == 0
+    store = dist.TCPStore(
+        rv.addr, rv.port, rv.size, is_master, timeout=STARTUP_TIMEOUT, wait_for_workers=False
+    )
+    store.add("joined", 1)
+    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+    while is_master and store.add("joined", 0) < rv.size:
+        if check_workers is not None:
+            check_workers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel ranks did not all join within {STARTUP_TIMEOUT}")
+        time.sleep(0.05)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{rv.addr}:{rv.port}",
-        rank=rv.rank,
-        world_size=rv.size,
-        timeout=STARTUP_TIMEOUT,
+        "gloo", store=store, rank=rv.rank, world_size=rv.size, timeout=STARTUP_TIMEOUT
     )
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 

@@ -44,10 +44,16 @@ class TPGroup:
     """
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        if dist.is_initialized():
+            raise ValueError(
+                "tensor_parallel_size > 1: this process already runs a tensor-parallel engine "
+                "(one at a time; shut the other down first)"
+            )
         size = config.tensor_parallel_size
         self.processes: list[mp.Process] = []
         self.broken: str | None = None
         self.closed = False
+        self.threads_before = torch.get_num_threads()
         if "WORLD_SIZE" in os.environ:
             rv = comm.Rendezvous.from_env()
             if rv.size != size or rv.rank != 0:
@@ -70,7 +76,7 @@ class TPGroup:
                 process.start()
                 self.processes.append(process)
         try:
-            self.control = comm.join(rv)
+            self.control = comm.join(rv, self._check_workers)
             comm.send(self.control, config)
             self.shard: TPShard = comm.compute_shard(rv, device)
         except BaseException:
@@ -111,6 +117,10 @@ class TPGroup:
             self._break("tensor-parallel step interrupted; the ranks are out of step")
             raise
 
+    def _check_workers(self) -> None:
+        if dead := self._dead():
+            raise WorkerError(f"tensor-parallel worker(s) died while starting: {dead}")
+
     def _dead(self) -> str:
         return ", ".join(
             f"rank {p.name.removeprefix('tp-rank')} (exit code {p.exitcode})"
@@ -137,6 +147,7 @@ class TPGroup:
                 process.kill()
                 process.join()
         comm.leave()
+        torch.set_num_threads(self.threads_before)
 
 
 class DistributedRunner:
