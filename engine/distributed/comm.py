@@ -9,8 +9,9 @@ Every rank makes the same three process groups, in the same order:
   hung: it raises instead of waiting forever;
 - ``control`` (always gloo, CPU): rank 0's per-forward message, a pickled object broadcast
   (``broadcast_object_list``). Workers wait here between steps, for as long as the engine
-  sits idle, hence its very long timeout. It works the same within one machine and across
-  machines, which shared memory would not.
+  sits idle, hence their very long timeout; rank 0's side has ``STEP_TIMEOUT`` (a gloo send
+  to a hung worker blocks). It works the same within one machine and across machines, which
+  shared memory would not.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def join(rv: Rendezvous, check_workers: Callable[[], None] | None = None) -> dis
     dist.init_process_group(
         "gloo", store=store, rank=rv.rank, world_size=rv.size, timeout=STARTUP_TIMEOUT
     )
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Timeouts are each rank's own: rank 0's sends are bounded, workers wait indefinitely.
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT if rv.rank else STEP_TIMEOUT)
 
 
 def compute_shard(rv: Rendezvous, device: torch.device) -> TPShard:
@@ -90,9 +92,23 @@ def compute_shard(rv: Rendezvous, device: torch.device) -> TPShard:
     return TPShard(rv.rank, rv.size, dist.new_group(backend=backend, timeout=STEP_TIMEOUT))
 
 
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank died, hung or dropped out: this engine cannot continue."""
+
+
+def collective(op: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """Run a torch.distributed op; its failure (gloo raises plain RuntimeErrors, for a closed
+    connection as for a timeout) becomes a WorkerError, which no caller mistakes for a bad
+    request."""
+    try:
+        op(*args, **kwargs)
+    except RuntimeError as error:
+        raise WorkerError(f"a tensor-parallel collective failed: {error}") from error
+
+
 def send(control: dist.ProcessGroup, message: object) -> None:
     """Rank 0: one message to every worker."""
-    dist.broadcast_object_list([message], src=0, group=control)
+    collective(dist.broadcast_object_list, [message], src=0, group=control)
 
 
 def receive(control: dist.ProcessGroup) -> object:

@@ -22,16 +22,13 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.distributed import comm
+from engine.distributed.comm import WorkerError
 from engine.distributed.shard import TPShard
 from engine.distributed.worker import run_worker
 from engine.model_runner import ModelRunner, Span
 
 # How long shutdown waits for a worker to exit by itself before killing it.
 _EXIT_WAIT_S = 5.0
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker died, hung or dropped out: this engine cannot continue."""
 
 
 class TPGroup:
@@ -104,12 +101,12 @@ class TPGroup:
         try:
             return fn()
         except Exception as error:
-            if not isinstance(error, dist.DistError) and not self._dead():
+            if not isinstance(error, WorkerError | dist.DistError) and not self._dead():
                 raise
             dead = self._dead()
-            what = f"worker(s) died: {dead}" if dead else f"a collective failed: {error}"
+            what = f"tensor-parallel worker(s) died: {dead}" if dead else str(error)
             self._break(
-                f"tensor-parallel {what} (a rank that dies, drops out or hangs for more than "
+                f"{what} (a rank that dies, drops out or hangs for more than "
                 f"{comm.STEP_TIMEOUT.total_seconds():.0f} s stops the engine)"
             )
             raise WorkerError(self.broken) from error

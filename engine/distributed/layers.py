@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.comm import collective
 from engine.distributed.shard import TPShard
 from engine.models.layers import Linear
 
@@ -31,7 +32,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        dist.all_reduce(out, group=self.group)
+        collective(dist.all_reduce, out, group=self.group)
         return out
 
 
@@ -48,14 +49,14 @@ class VocabParallelEmbedding(nn.Embedding):
         mine = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(local.masked_fill(~mine, 0), self.weight)
         out.masked_fill_(~mine[:, None], 0.0)
-        dist.all_reduce(out, group=self.group)
+        collective(dist.all_reduce, out, group=self.group)
         return out
 
 
 def gather_logits(local: torch.Tensor, vocab_size: int, shard: TPShard) -> torch.Tensor | None:
     """[N, padded vocab / size] per rank -> [N, vocab] on rank 0, None on the others."""
     parts = [torch.empty_like(local) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(local.contiguous(), parts, dst=0, group=shard.group)
+    collective(dist.gather, local.contiguous(), parts, dst=0, group=shard.group)
     if parts is None:
         return None
     return torch.cat(parts, dim=-1)[:, :vocab_size]

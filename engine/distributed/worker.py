@@ -48,7 +48,7 @@ def run_worker(rv: comm.Rendezvous, num_threads: int | None) -> None:
             index, method, args = message
             try:
                 getattr(runners[index], method)(*args)
-            except dist.DistError:
+            except (comm.WorkerError, dist.DistError):
                 raise
             except Exception:  # noqa: BLE001 - rank 0 raised the same and handles it
                 continue
