@@ -113,6 +113,21 @@ def test_bad_tensor_parallel_size_is_refused_before_any_worker_starts(gqa_pair, 
         LLM(gqa_pair[0], tensor_parallel_size=tp, num_kv_blocks=8)
 
 
+def test_eagle_needs_one_rank(gqa_pair):
+    with pytest.raises(ValueError, match="'eagle' needs tensor_parallel_size 1"):
+        LLM(gqa_pair[0], tensor_parallel_size=2, speculative_config={"method": "eagle"})
+
+
+def test_dummy_weights_are_the_single_device_ones_sliced(gqa_pair):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(gqa_pair[0], load_format="dummy", tensor_parallel_size=tp, num_kv_blocks=16)
+        runs.append([o.outputs for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)])
+        llm.llm_engine.shutdown()
+    _assert_same(*runs)
+
+
 def test_kv_heads_neither_dividing_nor_divided_are_refused(tmp_path):
     model = build_tiny_llama(
         tmp_path / "m", num_attention_heads=6, num_key_value_heads=2, hidden_size=96
