@@ -120,7 +120,7 @@ def receive(control: dist.ProcessGroup) -> object:
 
 def wait_for_all(control: dist.ProcessGroup) -> None:
     """Every rank has loaded its shard (raises, naming a rank, if one fails or takes too long)."""
-    dist.monitored_barrier(group=control, timeout=STARTUP_TIMEOUT)
+    collective(dist.monitored_barrier, group=control, timeout=STARTUP_TIMEOUT)
 
 
 def leave() -> None:
