@@ -54,6 +54,16 @@ for shape in llama-3.2-1b llama-3.1-8b; do
         --output-dir "$OUT"
 done
 
+# Tensor parallelism over NCCL (issue 18): a TP=2 run where there are two GPUs.
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    step throughput-tp2 120 "$PY" -m benchmarks.throughput --load-format dummy \
+        --model-config llama-3.2-1b --dtype bfloat16 --device cuda --batch-sizes 1,16 \
+        --input-len 128 --output-len 64 --peers '' --tensor-parallel-size 2 \
+        --tag throughput-llama-3.2-1b-tp2 --output-dir "$OUT"
+else
+    echo "note: fewer than two GPUs; the TP=2 step is skipped"
+fi
+
 if [ "${#failed[@]}" -eq 0 ]; then
     echo "=== gpu_check: all steps passed in ${SECONDS}s"
 else

@@ -118,10 +118,11 @@ def kv_blocks_needed(requests: list[BenchRequest], batch_size: int, k: int) -> i
 
 
 def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options) -> LLMEngine:
-    """An engine for ``spec`` at ``args``' dtype, device and seed; ``options``: EngineConfig's."""
+    """An engine for ``spec`` at ``args``' dtype, device, seed, TP size; ``options``: more."""
+    tp = getattr(args, "tensor_parallel_size", 1)  # a flag of throughput.py only
     fields = dict(model=spec.engine_model, load_format=spec.load_format, seed=args.seed)
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
-    fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
+    fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks, tensor_parallel_size=tp)
     return LLMEngine(EngineConfig(**fields, **options))
 
 

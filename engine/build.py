@@ -10,8 +10,11 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.model_loader import load_model, model_kv_shape
+from engine.distributed.group import DistributedRunner, TPGroup
+from engine.distributed.shard import NO_TP, check_tp_shapes
+from engine.model_loader import load_model_config, model_kv_shape
 from engine.model_runner import ModelRunner
+from engine.model_set import load_model_set, make_runner, rank_device
 from engine.output_processor import OutputProcessor
 from engine.processor import Processor
 from engine.sampler import Sampler
@@ -19,7 +22,7 @@ from engine.spec_decode.eagle import EagleProposer, load_eagle_head
 from engine.spec_decode.manager import SpeculationManager
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer
 from engine.step_sampler import StepSampler
-from memory import BlockManager, allocate_kv_caches, kv_block_bytes
+from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig
 
 # On CPU, KV defaults to this fraction of available RAM (capped by what the limits can use).
@@ -33,17 +36,45 @@ class EngineParts:
     processor: Processor
     block_manager: BlockManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | DistributedRunner
     spec: SpeculationManager
     step_sampler: StepSampler
     output_processor: OutputProcessor
+    tp: TPGroup | None  # the tensor-parallel workers (None: one device)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    target = load_model(config.model, config.dtype, config.device, config.load_format, config.seed)
+    """Rank 0's parts. With ``tensor_parallel_size`` > 1 the workers are started first and
+    every model is this rank's shard; its runners mirror each call to the workers."""
+    device = rank_device(config, 0)
+    if config.tensor_parallel_size == 1:
+        return _build(config, device, None)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "eagle":
+        raise ValueError("speculative method 'eagle' needs tensor_parallel_size 1")
+    _check_tp(config)
+    tp = TPGroup(config, device)
+    try:
+        return _build(config, device, tp)
+    except BaseException:
+        tp.shutdown()
+        raise
+
+
+def _check_tp(config: EngineConfig) -> None:
+    """Refuse a model whose heads cannot be split before any worker starts."""
+    spec = config.speculative_config
+    paths = [config.model] + ([spec.draft_model] if spec and spec.method == "draft" else [])
+    for path in paths:
+        check_tp_shapes(load_model_config(path), config.tensor_parallel_size)
+
+
+def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> EngineParts:
+    shard = NO_TP if tp is None else tp.shard
+    models = load_model_set(config, device, shard)
+    target, draft = models.target, models.draft
     vocab_size = int(target.config.vocab_size)
-    param = next(target.model.parameters())
-    device, dtype = param.device, param.dtype
+    dtype = next(target.model.parameters()).dtype
     model_max = target.model.max_model_len
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(
@@ -53,27 +84,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     eos_token_ids = _eos_token_ids(target.config, target.tokenizer)
 
     spec = config.speculative_config
-    draft = None
-    if spec is not None and spec.method == "draft":
-        draft = load_model(spec.draft_model, config.dtype, device, config.load_format, config.seed)
-        if int(draft.config.vocab_size) != vocab_size:
-            raise ValueError(
-                f"draft_model vocabulary ({draft.config.vocab_size} tokens) differs from the "
-                f"target's ({vocab_size}); speculation needs the same vocabulary"
-            )
     head = None
     if spec is not None and spec.method == "eagle":
         head = load_eagle_head(spec.draft_model, target, dtype, device)
-    kv_shapes = [model_kv_shape(m.config) for m in [target] + ([draft] if draft else [])]
+    kv_shapes = [model_kv_shape(m.config, shard) for m in [target] + ([draft] if draft else [])]
     if head is not None:
         kv_shapes.append(model_kv_shape(head.config))
     num_blocks = _num_blocks(config, kv_shapes, max_model_len, dtype, device)
+    if tp is not None:
+        tp.ready(num_blocks)
 
-    def runner(model: nn.Module, model_config: PretrainedConfig) -> ModelRunner:
-        caches = allocate_kv_caches(
-            *model_kv_shape(model_config), num_blocks, config.block_size, dtype, device
-        )
-        return ModelRunner(model, caches, config.attention_backend, device)
+    def runner(model: nn.Module, model_config: PretrainedConfig, index: int):
+        local = make_runner(model, model_config, config, num_blocks, shard)
+        return local if tp is None else DistributedRunner(local, index, tp)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler_config = SchedulerConfig(
@@ -81,9 +104,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     proposer = None
     if draft is not None:
-        proposer = DraftModelProposer(runner(draft.model, draft.config), config.seed + 1)
+        proposer = DraftModelProposer(runner(draft.model, draft.config, 1), config.seed + 1)
     elif head is not None:
-        proposer = EagleProposer(runner(head, head.config), config.seed + 1)
+        proposer = EagleProposer(runner(head, head.config, 1), config.seed + 1)
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     manager = SpeculationManager(spec, proposer, max_model_len)
@@ -101,10 +124,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         ),
         block_manager=block_manager,
         scheduler=Scheduler(scheduler_config, block_manager),
-        runner=runner(target.model, target.config),
+        runner=runner(target.model, target.config, 0),
         spec=manager,
         step_sampler=StepSampler(Sampler(config.seed, device), eos_token_ids, manager.verify),
         output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len),
+        tp=tp,
     )
 
 
@@ -126,7 +150,8 @@ def _num_blocks(
             budget = int(free * 0.8)
         else:
             budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-            budget = int(budget * _CPU_KV_MEMORY_FRACTION)
+            # the ranks of a tensor-parallel group share this machine's memory
+            budget = int(budget * _CPU_KV_MEMORY_FRACTION) // config.tensor_parallel_size
     return max(1, min(needed, budget // per_block))
 
 

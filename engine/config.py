@@ -81,12 +81,16 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     kv_cache_memory: int | None = None  # bytes for KV when num_kv_blocks is None
+    # Ranks the model is split over (engine.distributed): rank 0 is this process, the others
+    # are spawned here, or join from other machines when WORLD_SIZE is set in the environment.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:

@@ -45,6 +45,7 @@ ENGINE_OPTIONS = {
     for name in (
         "model", "dtype", "device", "load_format", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "num_kv_blocks", "block_size", "attention_backend", "seed",
+        "tensor_parallel_size",
     )
 }  # fmt: skip
 
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="attention kernels"
     )
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over this many ranks"
+    )
     s = p.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass")

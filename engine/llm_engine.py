@@ -19,11 +19,13 @@ happened.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
 from engine.build import EngineParts, build_engine_parts
 from engine.config import EngineConfig
+from engine.distributed.group import WorkerError
 from engine.model_runner import Span
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
@@ -51,6 +53,10 @@ class LLMEngine:
         self._owner: dict[int, tuple[Request, SampleState]] = {}  # seq_id → its request, sample
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count(1)
+        # Tensor-parallel workers stop when the engine is collected, shut down, or at exit.
+        self._tp = parts.tp
+        if self._tp is not None:
+            weakref.finalize(self, self._tp.shutdown)
 
     # --- public API ---------------------------------------------------------------------------
     def add_request(
@@ -74,6 +80,11 @@ class LLMEngine:
             return False
         self._aborted.append(self._abort(request))
         return True
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        if self._tp is not None:
+            self._tp.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or an abort's final output has not been returned yet."""
@@ -105,6 +116,8 @@ class LLMEngine:
             return outputs
         try:
             result = self._execute(sched)
+        except WorkerError:  # no request is at fault: the engine itself is gone
+            raise
         except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
             return outputs + self._isolate_failure(sched, error)
         return outputs + self._commit(sched, result)
@@ -209,6 +222,8 @@ class LLMEngine:
         for request_id, scheduled in by_request.items():
             try:
                 self._execute(SchedulerOutput(scheduled))
+            except WorkerError:
+                raise
             except Exception as own_error:  # noqa: BLE001 - this request is the culprit
                 outputs.append(self._abort(self.requests[request_id], own_error))
         if not outputs:

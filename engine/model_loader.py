@@ -17,10 +17,11 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.default_model import default_model_dir
+from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_of
 from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
 from engine.models.layers import Linear, RMSNorm
-from engine.models.llama import head_dim_of
+from engine.models.llama import STACKED, head_dim_of
 
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,9 +62,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
-def model_kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim): what the KV cache tensors are sized by."""
-    return config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config)
+def model_kv_shape(config: PretrainedConfig, shard: TPShard = NO_TP) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim): what the KV cache tensors are sized by (this
+    rank's KV heads only under tensor parallelism)."""
+    kv_heads = kv_heads_of(shard, config.num_key_value_heads)[1]
+    return config.num_hidden_layers, kv_heads, head_dim_of(config)
 
 
 @contextlib.contextmanager
@@ -82,38 +85,41 @@ def load_model(
     device: str | torch.device = "auto",
     load_format: str = "auto",
     seed: int = 0,
+    shard: TPShard = NO_TP,
 ) -> LoadedModel:
     """Build the model on ``device`` in ``dtype`` and load its weights (or random ones: "dummy").
 
     ``model``: None (the default model), a HF model directory, a ``.gguf`` file, or, with
-    load_format="dummy", a config.json or a directory holding only one.
+    load_format="dummy", a config.json or a directory holding only one. With a ``shard`` of
+    size > 1 only this rank's slice of every weight is kept (read lazily from safetensors;
+    GGUF tensors are dequantized whole, then sliced; dummy weights equal the single-device
+    ones' slices).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    if model is None:
-        path = default_model_dir()
-    else:
-        path = os.path.abspath(os.path.expanduser(str(model)))
-        if not os.path.exists(path):
-            raise ValueError(f"model path does not exist: {model!r}")
+    path = _resolve_path(model)
     dummy = load_format == "dummy"
     if path.endswith(".gguf") and os.path.isfile(path):
         config, tokenizer, weights = _open_gguf(path, dummy)
     elif os.path.isfile(path) and path.endswith(".json") and dummy:
         config, tokenizer, weights = AutoConfig.from_pretrained(path), None, None
     elif os.path.isdir(path):
-        config, tokenizer, weights = _open_hf_dir(path, dummy)
+        config, tokenizer, weights = _open_hf_dir(path, dummy, lazy=shard.size > 1)
     else:
         raise ValueError(
             f"model must be a HF model directory or a .gguf file (or a config.json with "
             f"load_format='dummy'), got {model!r}"
         )
     cls = get_model_class(config)
+    if shard.size > 1:
+        check_tp_shapes(config, shard.size)
     with default_dtype(dtype), torch.device(device):
-        net = cls(config)
-    if weights is None:
+        net = cls(config, shard)
+    if weights is None and shard.size > 1:
+        net.load_weights(_dummy_weights(cls, config, dtype, device, seed))
+    elif weights is None:
         _init_dummy(net, seed)
     else:
         net.load_weights(weights)
@@ -124,14 +130,34 @@ def load_model(
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
 
 
-def _open_hf_dir(path: str, dummy: bool) -> _Source:
+def _resolve_path(model: str | None) -> str:
+    if model is None:
+        return default_model_dir()
+    path = os.path.abspath(os.path.expanduser(str(model)))
+    if not os.path.exists(path):
+        raise ValueError(f"model path does not exist: {model!r}")
+    return path
+
+
+def load_model_config(model: str | None) -> PretrainedConfig:
+    """The config of ``model`` (as ``load_model`` takes it) without reading any weight."""
+    path = _resolve_path(model)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        folder, name = os.path.split(path)
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no config.json in model directory {path!r}")
+    return AutoConfig.from_pretrained(path)
+
+
+def _open_hf_dir(path: str, dummy: bool, lazy: bool = False) -> _Source:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in model directory {path!r}")
     config = AutoConfig.from_pretrained(path)
     get_model_class(config)  # unsupported architectures fail before any weight is read
     has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return config, tokenizer, None if dummy else iter_safetensors(safetensors_files(path))
+    return config, tokenizer, None if dummy else iter_safetensors(safetensors_files(path), lazy)
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -147,12 +173,14 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of the given files, one at a time."""
+def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of the given files, one at a time; ``lazy``
+    yields safetensors slices instead (indexing one reads only that part; valid until the
+    next item)."""
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def _open_gguf(path: str, dummy: bool) -> _Source:
@@ -162,6 +190,35 @@ def _open_gguf(path: str, dummy: bool) -> _Source:
     get_model_class(config)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return config, tokenizer, None if dummy else iter_gguf(reader, config)
+
+
+def _dummy_weights(
+    cls: type[nn.Module],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights ``_init_dummy`` gives the single-device model, as HF-named tensors (fused
+    parameters split back into their parts), so a tensor-parallel rank can slice them."""
+    with default_dtype(dtype), torch.device("meta"):
+        full = cls(config)
+    norms = {id(m.weight) for m in full.modules() if isinstance(m, RMSNorm)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in full.named_parameters():
+        if id(p) in norms:
+            value = torch.ones(p.shape, dtype=p.dtype, device=device)
+        else:
+            value = torch.empty(p.shape, dtype=p.dtype, device=device)
+            value.normal_(0.0, 0.02, generator=gen)
+        parts = [(part, index) for fused, part, index in STACKED if f".{fused}." in name]
+        if not parts:
+            yield name, value
+            continue
+        fused = name.split(".")[-2]
+        pieces = value.split(full._shard_sizes(name))
+        for part, index in parts:
+            yield name.replace(f".{fused}.", f".{part}."), pieces[index]
 
 
 @torch.no_grad()

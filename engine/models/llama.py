@@ -2,7 +2,10 @@
 
 All sequences of a step are concatenated into T tokens; attention separates them through the
 paged KV cache and ``AttentionMetadata``. q/k/v and gate/up are fused into single projections;
-``load_weights`` maps HF checkpoint names onto them.
+``load_weights`` maps HF checkpoint names onto them. Under tensor parallelism (a ``TPShard`` of
+size > 1) each rank builds the model with its share of the heads, MLP columns and vocabulary
+(``engine.distributed``) and ``load_weights`` slices the checkpoint accordingly; with size 1
+the layers are exactly the single-device ones.
 """
 
 from collections.abc import Iterable
@@ -11,11 +14,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
+from engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, swiglu
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
-_STACKED = (
+STACKED = (
     ("qkv_proj", "q_proj", 0),
     ("qkv_proj", "k_proj", 1),
     ("qkv_proj", "v_proj", 2),
@@ -38,11 +43,18 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
     return int(window)
 
 
+def _row_linear(shard: TPShard, in_features: int, out_features: int, bias: bool) -> Linear:
+    """o_proj / down_proj: a plain Linear on one device, all-reduced across ranks under TP."""
+    if shard.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, shard)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // shard.size
+        self.num_kv_heads = kv_heads_of(shard, config.num_key_value_heads)[1]
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -50,7 +62,7 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2"
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = _row_linear(shard, self.q_size, config.hidden_size, bias)
         # qwen3 normalises each head of q and k before rope.
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -89,23 +101,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {config.hidden_act!r}")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = config.intermediate_size // shard.size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = _row_linear(shard, inter, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, shard)
+        self.mlp = LlamaMLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -122,11 +135,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if shard.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, shard) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
@@ -152,12 +168,14 @@ class LlamaForCausalLM(nn.Module):
     a model with a window only supports contexts that fit inside it (where it changes nothing).
     """
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.shard = shard
+        self.model = LlamaModel(config, shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab_rows = shard.padded_vocab(config.vocab_size) // shard.size
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         window = sliding_window_of(config)
@@ -174,15 +192,21 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions int64 [T] -> hidden states [T, hidden] after the final norm."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (under tensor parallelism: on rank 0;
+        the other ranks return None)."""
+        logits = self.lm_head(hidden).float()
+        if self.shard.size == 1:
+            return logits
+        return gather_logits(logits, self.config.vocab_size, self.shard)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.
 
-        Raises ValueError for an unknown name, a shape mismatch or a missing weight.
+        Under tensor parallelism each weight is first cut to this rank's slice; ``weights`` may
+        then yield lazy safetensors slices, so a rank reads only its part. Raises ValueError
+        for an unknown name, a shape mismatch or a missing weight.
         """
         params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as embed
         loaded: dict[str, set[int]] = {name: set() for name in params}
@@ -196,6 +220,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint weight {hf_name!r} has no place in the model")
             sizes = self._shard_sizes(name)
             target = params[name].narrow(0, sum(sizes[:shard]), sizes[shard])
+            if self.shard.size > 1:
+                tensor = shard_weight(
+                    hf_name, tensor, self.config, self.shard, head_dim_of(self.config)
+                )
+                if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    target[tensor.shape[0] :].zero_()  # vocabulary padding rows
+                    target = target[: tensor.shape[0]]
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -209,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _param_name(hf_name: str) -> tuple[str, int]:
-        for fused, part, shard in _STACKED:
+        for fused, part, shard in STACKED:
             if f".{part}." in hf_name:
                 return hf_name.replace(f".{part}.", f".{fused}."), shard
         return hf_name, 0
@@ -220,5 +251,5 @@ class LlamaForCausalLM(nn.Module):
             attn = self.model.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
         if ".gate_up_proj." in name:
-            return [self.config.intermediate_size] * 2
+            return [self.config.intermediate_size // self.shard.size] * 2
         return [self.get_parameter(name).shape[0]]

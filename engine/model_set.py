@@ -1,0 +1,65 @@
+"""The models a rank runs (the target and, for draft-model speculation, the draft) and their
+runners: what rank 0's engine build and a tensor-parallel worker share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.config import EngineConfig
+from engine.distributed.shard import NO_TP, TPShard
+from engine.model_loader import LoadedModel, load_model, model_kv_shape, resolve_device
+from engine.model_runner import ModelRunner
+from memory import allocate_kv_caches
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    target: LoadedModel
+    draft: LoadedModel | None  # speculative_config.method == "draft"
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """The configured device; on CUDA, GPU ``local_rank`` (one GPU per rank on a machine)."""
+    device = resolve_device(config.device)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def load_model_set(config: EngineConfig, device: torch.device, shard: TPShard = NO_TP) -> ModelSet:
+    """Load this rank's share of the target (and draft) model."""
+    target = load_model(config.model, config.dtype, device, config.load_format, config.seed, shard)
+    spec = config.speculative_config
+    draft = None
+    if spec is not None and spec.method == "draft":
+        draft = load_model(
+            spec.draft_model, config.dtype, device, config.load_format, config.seed, shard
+        )
+        vocab_size = int(target.config.vocab_size)
+        if int(draft.config.vocab_size) != vocab_size:
+            raise ValueError(
+                f"draft_model vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                f"target's ({vocab_size}); speculation needs the same vocabulary"
+            )
+    return ModelSet(target, draft)
+
+
+def make_runner(
+    model: nn.Module,
+    model_config: PretrainedConfig,
+    config: EngineConfig,
+    num_blocks: int,
+    shard: TPShard = NO_TP,
+) -> ModelRunner:
+    """A runner over ``num_blocks`` KV blocks holding this rank's KV heads of ``model``."""
+    param = next(model.parameters())
+    caches = allocate_kv_caches(
+        *model_kv_shape(model_config, shard),
+        num_blocks,
+        config.block_size,
+        param.dtype,
+        param.device,
+    )
+    return ModelRunner(model, caches, config.attention_backend, param.device)
