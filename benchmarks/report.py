@@ -297,6 +297,30 @@ def render_serving(p: dict) -> list[str]:
     return _section(f"Online serving: {p['model']}", notes, SERVING_COLUMNS, rows, after)
 
 
+def render_soak(p: dict) -> list[str]:
+    cfg, m, shares = p["config"], p["rss_mb"], p["config"]["shares"]
+    notes = [
+        *_machine(p),
+        f"- server: `{p['server']}`",
+        f"- {cfg['num_requests']} requests, Poisson arrivals over {cfg['duration']:.0f} s "
+        f"({p['rate']:.2f} req/s; the last answered after {p['seconds']:.0f} s), seed "
+        f"{cfg['seed']}: {shares['invalid']:.0%} invalid, {shares['disconnect']:.0%} that "
+        f"disconnect mid-stream, {shares['abort']:.0%} that give up at a random moment; the rest "
+        f"valid (half streamed, half chat, up to {cfg['max_tokens']} tokens; every 4th a greedy "
+        f"probe over {cfg['probes']} prompts); {p['output_tokens']} tokens in whole answers",
+        f"- server aborts counted by /metrics: {p['server_aborts']:.0f}; resident memory "
+        f"{m['first']} MB first, {m['half_min']} - {m['half_max']} MB over the second half, "
+        f"{m['last']} MB last ({m['samples']} samples; tolerance {cfg['rss_tolerance']:.0%})",
+    ]
+    rows = [{"kind": k, "c": c, "statuses": ", ".join(f"{s}: {n}" for s, n in c["statuses"]
+             .items())} for k, c in p["counts"].items()]  # fmt: skip
+    checks = [{"name": k, "verdict": ("FAIL", "pass")[c["passed"]], "detail": c["detail"]}
+              for k, c in p["checks"].items()]  # fmt: skip
+    after = ["", *_table("check={name} | verdict=**{verdict}** | detail={detail}", checks), ""]
+    columns = "requests={kind} | sent={c[sent]} | answered whole={c[ok]} | HTTP statuses={statuses}"
+    return _section(f"Soak: {p['model']}", notes, columns, rows, after)
+
+
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
@@ -306,8 +330,8 @@ def render_run_all(p: dict) -> list[str]:
 
 
 # benchmark name: its renderer, in the page's order.
-NAMES = ("throughput", "latency", "spec_decode", "serving", "block_manager", "linear", "kernels",
-         "run_all")  # fmt: skip
+NAMES = ("throughput", "latency", "spec_decode", "serving", "soak", "block_manager", "linear",
+         "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 

@@ -57,6 +57,12 @@ def command(system: str, model_dir: str, port: int, extra: str = "") -> list[str
     return argv + shlex.split(extra)
 
 
+def shown(argv: list[str]) -> str:
+    """A server's command line as a person types it (``python``, ``transformers``)."""
+    name = Path(argv[0]).name
+    return shlex.join(["python" if name.startswith("python") else name, *argv[1:]])
+
+
 class Server:
     """A server subprocess, started and awaited on ``/health`` by ``with``; stopped by SIGTERM
     (killed if it has not exited after ``grace_s``). Its output goes to ``log_path``."""

@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import random
-import shlex
 import time
 from pathlib import Path
 
@@ -133,8 +132,7 @@ def bench_system(system: str, model_dir: str, workloads: dict, args) -> dict:
                     f"{row['output_throughput']:.1f} out tok/s; errors: {errors}",
                     flush=True,
                 )
-    shown = ["python" if system == "pagedspec" else "transformers", *argv[1:]]
-    return {"command": shlex.join(shown), "workloads": rows}
+    return {"command": servers.shown(argv), "workloads": rows}
 
 
 def plot(payload: dict, path: Path) -> None:
