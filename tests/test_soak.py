@@ -70,7 +70,7 @@ def test_verdicts_catch_each_failure():
     assert failed(rss=rss[:5] + [(t, 1200) for t in range(5, 10)]) == []  # a step before half
     grow = [(t, 1000 + 20 * t) for t in range(10)]  # 1100 -> 1180 over the second half
     assert failed(rss=grow) == ["rss_flat_second_half"]
-    assert failed(code=-9) == ["sigterm_clean_exit"]
+    assert failed(code=-15) == ["sigterm_exit_0"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("engine.serve") is None, reason="needs the server")
