@@ -51,18 +51,19 @@ def plan(num: int, seed: int, shares: dict, max_tokens: int, num_probes: int) ->
                 break
             u -= share
         chat = rng.random() < 0.5
-        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         body = {"max_tokens": rng.randint(2, max_tokens), "ignore_eos": rng.random() < 0.8,
                 "stream": rng.random() < 0.5}  # fmt: skip
         if rng.random() < 0.5:
             body |= {"temperature": 0.8, "seed": i}
         else:
             body |= {"temperature": 0}
-        r = {"i": i, "kind": kind, "endpoint": endpoint, "probe": None, "disconnect_after": None}
-        if kind == "valid" and i % 4 == 0:  # a probe: greedy, fixed length
+        r = {"i": i, "kind": kind, "probe": None, "disconnect_after": None}
+        if kind == "valid" and i % 4 == 0:  # a probe: one body per probe, only "stream" varies
             r["probe"], probe = probe % num_probes, probe + 1
             body |= {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
             body.pop("seed", None)
+            chat = r["probe"] % 2 == 0
+        r["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
         text = CHATS[(r["probe"] if r["probe"] is not None else i) % len(CHATS)]
         body |= {"messages": text} if chat else {"prompt": text[0]["content"]}
         if kind == "disconnect":
