@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo serve bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ lint: setup
 
 demo: setup
 	$(PY) -m engine.generate --input examples/prompts.jsonl --chat --max-tokens 128 --temperature 0
+
+serve: setup
+	$(PY) -m engine.serve
 
 bench: setup
 	$(PY) -m benchmarks.run_all

@@ -17,9 +17,17 @@ setup(
         "tokenizers",
         "tqdm",
         "matplotlib",
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "ruff", "accelerate"],
+        "dev": ["pytest", "hypothesis", "ruff", "accelerate", "openai", "httpx"],
     },
-    entry_points={"console_scripts": ["pagedspec-generate=engine.generate:main"]},
+    entry_points={
+        "console_scripts": [
+            "pagedspec-generate=engine.generate:main",
+            "pagedspec-serve=engine.serve.__main__:main",
+        ]
+    },
 )

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _from_options(
+def from_options(
     factory: Callable[..., T], options: dict[str, str], args: argparse.Namespace, **extra: Any
 ) -> T:
     """``factory(field=args.<option>, ..., **extra)``. Config errors start with the field's name;
@@ -133,13 +133,13 @@ def _check_path(name: str, path: str | None) -> None:
         raise ValueError(f"{name} path does not exist: {path!r}")
 
 
-def _speculative_config(**kwargs: Any) -> SpeculativeConfig:
+def checked_speculative_config(**kwargs: Any) -> SpeculativeConfig:
     config = SpeculativeConfig(**kwargs)
     _check_path("draft_model", config.draft_model)
     return config
 
 
-def _engine_config(**kwargs: Any) -> EngineConfig:
+def checked_engine_config(**kwargs: Any) -> EngineConfig:
     """The config, plus what loading would only find later: the dtype, device and model path."""
     config = EngineConfig(**kwargs)
     resolve_dtype(config.dtype, resolve_device(config.device))
@@ -152,12 +152,12 @@ def check_args(
 ) -> tuple[list[str | Messages], SamplingParams, EngineConfig]:
     """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
     items = read_prompts(args.prompt, args.input)
-    params = _from_options(SamplingParams, SAMPLING_OPTIONS, args)
+    params = from_options(SamplingParams, SAMPLING_OPTIONS, args)
     spec = None
     if args.speculative_method:
-        spec = _from_options(_speculative_config, SPECULATIVE_OPTIONS, args)
-    config = _from_options(
-        _engine_config,
+        spec = from_options(checked_speculative_config, SPECULATIVE_OPTIONS, args)
+    config = from_options(
+        checked_engine_config,
         ENGINE_OPTIONS,
         args,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -88,6 +88,7 @@ class LLMEngine:
             num_waiting=len(sched.waiting),
             num_preemptions=sched.num_preemptions,
             num_prefix_cache_hit_tokens=sched.num_prefix_cache_hit_tokens,
+            num_prefix_cache_query_tokens=sched.num_prefix_cache_query_tokens,
             **self.spec.stats(),
         )
 

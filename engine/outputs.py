@@ -41,6 +41,7 @@ class EngineStats:
     num_accepted_tokens: int
     num_verifications: int = 0  # sequence-rounds that verified at least one draft
     accepted_by_position: tuple[int, ...] = field(default=())  # accepted count at draft position i
+    num_prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
 
     @property
     def acceptance_rate(self) -> float:

@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
         self.num_prefix_cache_hit_tokens = 0
+        self.num_prefix_cache_query_tokens = 0  # tokens looked up at admission
 
     # --- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -135,6 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
             self.num_prefix_cache_hit_tokens += seq.num_computed_tokens
+            self.num_prefix_cache_query_tokens += len(seq.token_ids)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)

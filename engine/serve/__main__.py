@@ -1,0 +1,49 @@
+"""``python -m engine.serve``: parse the flags, load the model, serve until SIGTERM / Ctrl-C.
+
+On SIGTERM uvicorn stops accepting connections and waits up to ``--shutdown-timeout`` seconds
+for the running requests; then the app's shutdown aborts whatever is left (freeing its KV
+blocks) and stops the engine thread, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from engine.llm_engine import LLMEngine
+from engine.serve.app import create_app
+from engine.serve.async_engine import AsyncEngine
+from engine.serve.cli import parse_args
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # While serving, uvicorn's own handler runs the graceful shutdown; it then restores this
+    # handler and re-raises SIGTERM to it, which is how the process ends with status 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    engine = AsyncEngine(LLMEngine(args.engine), args.max_queue)
+    app = create_app(engine, args.served_model_name, args.api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The FastAPI application: routes, API-key check and OpenAI-style errors.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in
+``param``), 401 for a missing or wrong API key, 404 for an unknown model, 503 (with
+``Retry-After``) when the waiting queue is full or the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+from engine.serve.async_engine import AsyncEngine
+from engine.serve.chat import Chat, chat_params, chat_prompt
+from engine.serve.completions import Completions, completion_params, completion_prompts
+from engine.serve.metrics import ServerMetrics
+from engine.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from engine.serve.request_group import RequestGroup
+from engine.serve.serving import APIError, api_error, bad_request
+from engine.serve.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app around a not-yet-started ``AsyncEngine``: startup starts its thread, shutdown
+    (after uvicorn has let running requests finish) aborts what is left and stops it."""
+    metrics = ServerMetrics(lambda: engine.stats)
+    tokenizer = engine.engine.tokenizer
+    completions, chat = Completions(tokenizer, model_name), Chat(tokenizer, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="pagedspec", lifespan=lifespan)
+
+    def error_response(error: APIError) -> JSONResponse:
+        metrics.rejected.labels(status=str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(APIError(400, message, param=param, code="invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if error.status_code == 404 else "InvalidRequestError"
+        return error_response(APIError(error.status_code, str(error.detail), kind))
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or invalid API key", "AuthenticationError",
+                           code="invalid_api_key")  # fmt: skip
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{model_name}`.",
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def start(
+        prompts: list[PromptType], params: SamplingParams, renamed: dict[str, str]
+    ) -> RequestGroup:
+        try:
+            return await RequestGroup.start(engine, metrics, prompts, params)
+        except ValueError as e:
+            raise bad_request(e, renamed) from None
+        except Exception as e:  # noqa: BLE001 - queue full, shutting down
+            raise api_error(e) from None
+
+    async def respond(request: Request, group: RequestGroup, stream: bool, content, full):
+        """A streamed response, or the whole one unless the client leaves first."""
+        if stream:
+            return EventStreamResponse(content(), on_close=group.close)
+        try:
+            return await unless_disconnected(request.receive, full())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            group.close()
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def create_completion(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        params = completion_params(body)
+        group = await start(completion_prompts(body.prompt), params, {})
+        return await respond(
+            request,
+            group,
+            body.stream,
+            lambda: completions.stream(group, body, params),
+            lambda: completions.full(group, params),
+        )
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        params = chat_params(body)
+        renamed = {"prompt": "messages", "logprobs": "top_logprobs"}
+        group = await start([chat_prompt(tokenizer, body)], params, renamed)
+        return await respond(
+            request,
+            group,
+            body.stream,
+            lambda: chat.stream(group, body),
+            lambda: chat.full(group, body),
+        )
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,177 @@
+"""``LLMEngine`` behind asyncio: one background thread owns the engine and runs its steps.
+
+Handlers never touch the engine. They post commands (add, abort) that the engine thread applies
+between steps, and each request's outputs come back on its own ``asyncio.Queue``, fed from the
+engine thread with ``call_soon_threadsafe``. An add answers through a future, so a prompt or
+sampling parameter the engine rejects raises ``ValueError`` in the handler. An abort frees the
+request's KV blocks before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """More requests are waiting than the server's bound allows."""
+
+
+class EngineDeadError(Exception):
+    """The engine thread has stopped: a step failed for every request, or shutdown."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    queue: asyncio.Queue
+    done: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Condition()
+        self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
+        self._queues: dict[str, asyncio.Queue] = {}  # engine thread only
+        self._stats = engine.get_stats()  # replaced after every step, read by anyone
+        self._pending_adds = 0  # posted but not applied; guarded by _wake
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def num_waiting(self) -> int:
+        with self._wake:
+            return self._stats.num_waiting + self._pending_adds
+
+    async def add(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, queue: asyncio.Queue
+    ) -> None:
+        """Add a request whose outputs (or an exception) will be put on ``queue``. Raises
+        ValueError (the engine rejected it), QueueFullError or EngineDeadError. Cancelled
+        while the engine thread adds it, it is aborted right after."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if not self.alive:
+                raise EngineDeadError("the server is shutting down")
+            if self._stats.num_waiting + self._pending_adds >= self.max_queue:
+                raise QueueFullError(f"{self.max_queue} requests are already waiting")
+            self._pending_adds += 1
+            self._commands.append(_Add(request_id, prompt, params, queue, done))
+            self._wake.notify()
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._commands.append(request_id)
+            self._wake.notify()
+
+    def shutdown(self) -> None:
+        """Abort whatever still runs and stop the engine thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    self._wake.wait()
+                commands, self._commands = self._commands, []
+                if self._stopping:
+                    self._refuse(commands)
+                    break
+                self._apply(commands)
+                self._stats = engine.get_stats()
+            try:
+                outputs = engine.step()
+            except Exception as error:  # noqa: BLE001 - a step that failed for every request
+                logger.exception("engine step failed; aborting every request")
+                self._fail_all(error)
+                continue
+            self._stats = engine.get_stats()
+            self._deliver(outputs)
+        self._fail_all(EngineDeadError("the server shut down"))
+
+    def _apply(self, commands: list[_Add | str]) -> None:
+        """Runs under ``_wake``: adds and aborts, in the order they were posted."""
+        for command in commands:
+            if isinstance(command, str):
+                self.engine.abort_request(command)  # False when it already finished
+                self._queues.pop(command, None)
+                continue
+            self._pending_adds -= 1
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params)
+            except Exception as error:  # noqa: BLE001 - handed to the request's handler
+                command.done.set_exception(error)
+                continue
+            self._queues[command.request_id] = command.queue
+            command.done.set_result(None)
+
+    def _refuse(self, commands: list[_Add | str]) -> None:
+        """Runs under ``_wake`` at shutdown: adds not applied yet fail in their handlers."""
+        for command in commands:
+            if isinstance(command, _Add):
+                self._pending_adds -= 1
+                command.done.set_exception(EngineDeadError("the server is shutting down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:  # aborted by its handler: nobody listens
+                continue
+            if out.finished:
+                del self._queues[out.request_id]
+            items.append((queue, out))
+        if items:
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self.engine.step()  # returns the aborts' outputs; their blocks are already free
+        self._stats = self.engine.get_stats()
+        items = [(queue, error) for queue in self._queues.values()]
+        self._queues.clear()
+        if items:
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

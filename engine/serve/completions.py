@@ -1,0 +1,123 @@
+"""``/v1/completions``: prompts (text or token ids, one or a list) → choices, whole or streamed.
+
+Choice ``index`` is ``prompt index * n + sample index``, as in OpenAI's API and vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+from engine.serve.logprobs import completion_logprobs
+from engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from engine.serve.request_group import RequestGroup
+from engine.serve.serving import (
+    DONE,
+    APIError,
+    Delta,
+    Deltas,
+    api_error,
+    check_finished,
+    sampling_params,
+    sse,
+    sse_error,
+    usage,
+)
+
+
+def completion_prompts(prompt: str | list) -> list[PromptType]:
+    """A string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    kwargs = req.sampling_kwargs() | {"max_tokens": req.max_tokens}
+    if req.logprobs is not None:
+        kwargs["logprobs"] = req.logprobs
+    return sampling_params(kwargs, {})
+
+
+class Completions:
+    def __init__(self, tokenizer: Any, model_name: str) -> None:
+        self.tokenizer, self.model_name = tokenizer, model_name
+
+    async def full(self, group: RequestGroup, params: SamplingParams) -> CompletionResponse:
+        outputs = await group.final_outputs()
+        check_finished(outputs)
+        choices = [
+            self._choice(
+                i * params.n + c.index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason
+            )
+            for i, out in enumerate(outputs)
+            for c in out.outputs
+        ]
+        choices.sort(key=lambda choice: choice.index)
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            model=self.model_name,
+            choices=choices,
+            usage=usage({out.request_id: out for out in outputs}),
+        )
+
+    async def stream(
+        self, group: RequestGroup, req: CompletionRequest, params: SamplingParams
+    ) -> AsyncIterator[str]:
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        exclude = None if req.include_usage else {"usage"}
+        deltas, last = Deltas(), {}
+        try:
+            async for out in group.outputs():
+                check_finished([out])
+                last[out.request_id] = out
+                base = group.request_ids.index(out.request_id) * params.n
+                choices = [
+                    self._delta_choice(base + c.index, d)
+                    for c in out.outputs
+                    if (d := deltas.next(out.request_id, c)) is not None
+                ]
+                if choices:
+                    chunk = CompletionResponse(
+                        id=response_id, created=created, model=self.model_name, choices=choices
+                    )
+                    yield sse(chunk, exclude)
+        except Exception as e:  # noqa: BLE001 - the stream's last event says what failed
+            yield sse_error(api_error(e))
+            yield DONE
+            return
+        if req.include_usage:
+            chunk = CompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.model_name,
+                choices=[],
+                usage=usage(last),
+            )
+            yield sse(chunk)
+        yield DONE
+
+    def _delta_choice(self, index: int, d: Delta) -> CompletionChoice:
+        return self._choice(index, d.text, d.token_ids, d.logprobs, d.text_offset, d.finish_reason)
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        offset: int,
+        finish_reason: str | None,
+    ) -> CompletionChoice:
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+        return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish_reason)

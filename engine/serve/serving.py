@@ -1,0 +1,122 @@
+"""What the completions and chat handlers share: sampling parameters from a request, streamed
+deltas, usage, server-sent events and the errors a handler raises."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.serve.async_engine import EngineDeadError, QueueFullError
+from engine.serve.protocol import Usage
+
+DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "BadRequestError",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        info = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": info}
+
+
+def bad_request(error: ValueError, renamed: dict[str, str] | None = None) -> APIError:
+    """A 400 for the engine's ValueError; its messages start with the field's name, which is
+    reported as ``param`` (under the request's name for it, via ``renamed``)."""
+    message = str(error)
+    word = message.split(" ", 1)[0].strip(":")
+    param = word if word.isidentifier() else None
+    if param is not None and renamed:
+        param = renamed.get(param, param)
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def api_error(error: Exception) -> APIError:
+    """Any exception a handler meets, as the answer a client gets."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return bad_request(error)
+    if isinstance(error, QueueFullError):
+        message = f"server overloaded: {error}; retry later"
+        return APIError(503, message, "ServiceUnavailableError", headers={"Retry-After": "1"})
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error), "ServiceUnavailableError")
+    return APIError(500, f"{type(error).__name__}: {error}", "InternalServerError")
+
+
+def sampling_params(kwargs: dict[str, Any], renamed: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**kwargs), its ValueError as a 400 naming the request's field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_request(e, renamed) from None
+
+
+def check_finished(outputs: list[RequestOutput]) -> None:
+    """A request the engine aborted because a step failed on it is a server error."""
+    for out in outputs:
+        if out.error is not None:
+            message = f"the engine failed on this request: {out.error}"
+            raise APIError(500, message, "InternalServerError")
+
+
+def usage(outputs: dict[str, RequestOutput]) -> Usage:
+    prompt = sum(len(out.prompt_token_ids) for out in outputs.values())
+    completion = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
+    total = prompt + completion
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int  # characters of the choice sent before this delta
+    finish_reason: str | None  # set once: in the delta that finishes the choice
+    first: bool  # the choice's first delta
+
+
+@dataclass
+class Deltas:
+    """What each choice has been sent so far, to turn cumulative outputs into deltas."""
+
+    sent: dict[tuple[str, int], tuple[int, int, bool]] = field(default_factory=dict)
+
+    def next(self, request_id: str, c: CompletionOutput) -> Delta | None:
+        """The choice's news since the last call; None when it has none."""
+        key = (request_id, c.index)
+        first = key not in self.sent
+        chars, tokens, finished = self.sent.get(key, (0, 0, False))
+        if len(c.text) == chars and len(c.token_ids) == tokens and c.finished == finished:
+            return None
+        self.sent[key] = (len(c.text), len(c.token_ids), c.finished)
+        logprobs = None if c.logprobs is None else c.logprobs[tokens:]
+        return Delta(c.text[chars:], c.token_ids[tokens:], logprobs, chars, c.finish_reason, first)
+
+
+def sse(chunk: BaseModel, exclude: set[str] | None = None) -> str:
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return f"data: {json.dumps(error.body())}\n\n"

@@ -1,0 +1,56 @@
+"""The server's command line: one flag per EngineConfig / SpeculativeConfig field, checked
+before the model loads, errors naming the flag."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.serve.cli import build_parser, parse_args, speculative_dest
+
+
+def test_every_config_field_has_a_flag():
+    parser, engine, spec = build_parser()
+    dests = {a.dest for a in parser._actions}
+    assert set(engine) == {f.name for f in fields(EngineConfig)} - {"speculative_config"}
+    assert set(spec) == {f.name for f in fields(SpeculativeConfig)}
+    assert set(engine.values()) | set(spec.values()) <= dests
+
+
+def test_defaults_and_flags_build_the_configs():
+    args = parse_args([])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    assert args.engine == EngineConfig()
+    assert args.served_model_name == "SmolLM2-135M-Instruct"
+    args = parse_args(
+        ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--speculative-method", "ngram",
+         "--num-speculative-tokens", "3", "--speculative-ngram-max", "2", "--no-sample-drafts",
+         "--kv-cache-memory", "1000000"]
+    )  # fmt: skip
+    assert args.engine == EngineConfig(
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        kv_cache_memory=1_000_000,
+        speculative_config=SpeculativeConfig(
+            "ngram", num_speculative_tokens=3, ngram_max=2, sample_drafts=False
+        ),
+    )
+    assert speculative_dest("method") == "speculative_method"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "8"], "--block-size"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+         "--num-speculative-tokens"),
+        (["--max-queue", "-1"], "--max-queue"),
+        (["--model", "/no/such/dir"], "--model"),
+    ],
+)  # fmt: skip
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        parse_args(argv)
