@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +22,13 @@ IGNORE_EOS = {
     "pagedspec": {"ignore_eos": True},
     "transformers": {"generation_config": json.dumps({"eos_token_id": -1})},
 }
+
+
+def scratch_dir() -> Path:
+    """Where the benchmarks put server logs and the peer's model directory (not the results)."""
+    path = Path(tempfile.gettempdir()) / "pagedspec-bench"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def free_port() -> int:

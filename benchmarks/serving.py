@@ -109,12 +109,12 @@ async def run_rate(
 
 def bench_system(system: str, model_dir: str, workloads: dict, args) -> dict:
     """Starts ``system``, warms it up, runs every workload at every rate; its rows."""
-    out_dir = Path(args.output_dir)
+    scratch = servers.scratch_dir()
     if system == "transformers":
-        model_dir = servers.peer_model_dir(model_dir, out_dir / "serving-peer-model")
+        model_dir = servers.peer_model_dir(model_dir, scratch / "peer-model")
     argv = servers.command(system, model_dir, servers.free_port(), args.server_args[system])
     rows = {name: [] for name in workloads}
-    with servers.Server(argv, out_dir / f"serving-{system}.log") as server:
+    with servers.Server(argv, scratch / f"serving-{system}.log") as server:
         model = server.model_id()
         for name, requests in workloads.items():
             extra = servers.IGNORE_EOS[system] if name == "random" else {}

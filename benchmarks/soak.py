@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = plan(args.num_requests, args.seed, shares, args.max_tokens, args.probes)
     rate = args.num_requests / args.duration
     argv = servers.command("pagedspec", args.model, servers.free_port(), args.server_args)
-    out = Path(args.output_dir)
-    with servers.Server(argv, out / f"{args.tag}-server.log") as server:
+    with servers.Server(argv, servers.scratch_dir() / f"{args.tag}-server.log") as server:
         model = server.model_id()
         asyncio.run(alone(server, model, reqs))  # warm-up
         results, rss, seconds = asyncio.run(
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                "server": servers.shown(argv), "seconds": seconds, "rate": rate,
                "server_aborts": aborts, "checks": checks}  # fmt: skip
     payload |= summary(reqs, results, rss, seconds)
-    workload.save(payload, out, args.tag)
+    workload.save(payload, args.output_dir, args.tag)
     failed = [k for k, c in checks.items() if not c["passed"]]
     print(f"soak: {len(failed)} failed checks: {failed}" if failed else "soak: every check passed")
     return 1 if failed else 0
