@@ -70,6 +70,8 @@ def test_verdicts_catch_each_failure():
     err = [RequestResult(**vars(x)) for x in results]
     err[invalid].status = 500
     assert failed(results=err) == ["no_5xx", "invalid_got_400"]
+    err[invalid].status = 422
+    assert failed(results=err) == ["invalid_got_400"]
     assert failed(alone={0: "same", 1: "other"}) == ["greedy_equals_alone"]
     assert failed(idle=idle | {"pagedspec:kv_cache_used_blocks": 2.0}) == ["no_leak_when_idle"]
     assert failed(rss=rss[:5] + [(t, 1200) for t in range(5, 10)]) == []  # a step before half
