@@ -15,6 +15,10 @@ SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
 # Issue 14's EAGLE targets, batch 1 on held-out chat: tokens per verification (k=4, greedy),
 # speedup greedy and at temperature 0.8 (sampled acceptance must beat argmax drafts').
 EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
+# Issue 15's serving targets: at every rate, the peer's p99 TTFT / pagedspec's at least this; at
+# saturation (all requests at once), pagedspec's output tokens/s / the peer's at least this.
+SERVING_TTFT_P99, SERVING_THROUGHPUT = 2.0, 2.0
+SERVING_PEER = "transformers"
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
@@ -259,6 +263,64 @@ def render_kernels(p: dict) -> list[str]:
     return _section(title, notes, columns, p["rows"])
 
 
+SERVING_COLUMNS = (
+    "workload={w} | system={s} | rate req/s={r[rate]} | done / failed={r[completed]} / "
+    "{r[failed]} | seconds={r[duration_s]:.1f} | in / out tokens={r[input_tokens]} / "
+    "{r[output_tokens]} | req/s={r[request_throughput]:.2f} | out tok/s="
+    "{r[output_throughput]:.1f} | goodput req/s={r[goodput]:.2f} | "
+    + " | ".join(f"{n} mean / p50 / p99 ms={{r[{k}][mean]:ms}} / {{r[{k}][p50]:ms}} / "
+                 f"{{r[{k}][p99]:ms}}" for n, k in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
+                                                   ("ITL", "itl_s"), ("E2E", "e2e_s")))
+)  # fmt: skip
+
+
+def render_serving(p: dict) -> list[str]:
+    cfg, slo = p["config"], p["slo"]
+    notes = [
+        *_machine(p),
+        *(f"- {s}: `{v['command']}`" for s, v in p["systems"].items()),
+        f"- one asyncio httpx client streams every request (SSE, usage in the last chunk) to "
+        f"each server in turn; {cfg['num_prompts']} requests per rate after {cfg['warmup']} "
+        f"unmeasured ones; gamma arrivals of burstiness {cfg['burstiness']} (1: Poisson), seed "
+        f"{cfg['seed']}; rate inf: all at once",
+        f"- random: seeded random token prompts of {cfg['input_len']} tokens (decoded to text; "
+        f"'in tokens' is the server's count), {cfg['output_len']} output tokens, greedy, "
+        "EOS ignored; chat: the prompts of `benchmarks/data/chat_heldout.jsonl`, greedy answers "
+        f"up to {cfg['chat_max_tokens']} tokens (stop at EOS)",
+        f"- goodput: completed requests per second with TTFT <= {slo['ttft_s']} s and TPOT <= "
+        f"{slo['tpot_s'] * 1e3:.0f} ms; TPOT: (end-to-end - TTFT) / (output tokens - 1); ITL: "
+        "gaps between streamed chunks",
+    ]
+    rows = [{"w": w, "s": s, "r": r} for s, v in p["systems"].items()
+            for w, rs in v["workloads"].items() for r in rs]  # fmt: skip
+    after = [f"![latency vs rate]({{results}}/{p['plot']})", ""]
+    return _section(f"Online serving: {p['model']}", notes, SERVING_COLUMNS, rows, after)
+
+
+def render_soak(p: dict) -> list[str]:
+    cfg, m, shares = p["config"], p["rss_mb"], p["config"]["shares"]
+    notes = [
+        *_machine(p),
+        f"- server: `{p['server']}`",
+        f"- {cfg['num_requests']} requests, Poisson arrivals over {cfg['duration']:.0f} s "
+        f"({p['rate']:.2f} req/s; the last answered after {p['seconds']:.0f} s), seed "
+        f"{cfg['seed']}: {shares['invalid']:.0%} invalid, {shares['disconnect']:.0%} that "
+        f"disconnect mid-stream, {shares['abort']:.0%} that give up at a random moment; the rest "
+        f"valid (half streamed, half chat, up to {cfg['max_tokens']} tokens; every 4th a greedy "
+        f"probe over {cfg['probes']} prompts); {p['output_tokens']} tokens in whole answers",
+        f"- server aborts counted by /metrics: {p['server_aborts']:.0f}; resident memory "
+        f"{m['first']} MB first, {m['half_min']} - {m['half_max']} MB over the second half, "
+        f"{m['last']} MB last ({m['samples']} samples; tolerance {cfg['rss_tolerance']:.0%})",
+    ]
+    rows = [{"kind": k, "c": c, "statuses": ", ".join(f"{s}: {n}" for s, n in c["statuses"]
+             .items())} for k, c in p["counts"].items()]  # fmt: skip
+    checks = [{"name": k, "verdict": ("FAIL", "pass")[c["passed"]], "detail": c["detail"]}
+              for k, c in p["checks"].items()]  # fmt: skip
+    after = ["", *_table("check={name} | verdict=**{verdict}** | detail={detail}", checks), ""]
+    columns = "requests={kind} | sent={c[sent]} | answered whole={c[ok]} | HTTP statuses={statuses}"
+    return _section(f"Soak: {p['model']}", notes, columns, rows, after)
+
+
 def render_run_all(p: dict) -> list[str]:
     kind = "quick run" if p["quick"] else "full CPU sweep"
     when = f", started {p['started']}" if p.get("started") else ""
@@ -268,7 +330,8 @@ def render_run_all(p: dict) -> list[str]:
 
 
 # benchmark name: its renderer, in the page's order.
-NAMES = ("throughput", "latency", "spec_decode", "block_manager", "linear", "kernels", "run_all")
+NAMES = ("throughput", "latency", "spec_decode", "serving", "soak", "block_manager", "linear",
+         "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -313,6 +376,8 @@ def targets(p: dict) -> list[dict]:
         for row in _sweep_rows(e["batch_sweep"]["rows"], ("off", "default")):
             name = f"eagle, batch {row['b']}: engine default vs no speculation"
             found.append((name, row["ratio"], SPEC_LARGE_BATCH))
+    if p["benchmark"] == "serving":
+        found += _serving_targets(p["systems"])
     out = []
     for f in found:  # (name, value, threshold), then unit ("x") and strictly above (False)
         name, value, threshold, unit, strict = (*f, *("x", False)[len(f) - 3 :])
@@ -320,6 +385,21 @@ def targets(p: dict) -> list[dict]:
         out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
                     "op": ">" if strict else ">=", "passed": passed})  # fmt: skip
     return out
+
+
+def _serving_targets(systems: dict) -> list[tuple]:
+    if "pagedspec" not in systems or SERVING_PEER not in systems:
+        return []
+    found, ours, peer = [], systems["pagedspec"]["workloads"], systems[SERVING_PEER]["workloads"]
+    for w, rows in ours.items():
+        for r, q in zip(rows, peer.get(w, ()), strict=False):
+            name = f"serving, {w}, rate {r['rate']}: p99 TTFT, {SERVING_PEER} / pagedspec"
+            found.append((name, q["ttft_s"]["p99"] / r["ttft_s"]["p99"], SERVING_TTFT_P99))
+            if r["rate"] == "inf":
+                name = f"serving, {w}, all at once: output tok/s, pagedspec / {SERVING_PEER}"
+                ratio = r["output_throughput"] / q["output_throughput"] if q["completed"] else None
+                found.append((name, ratio, SERVING_THROUGHPUT))
+    return found
 
 
 def _targets_table(payloads: list[dict]) -> list[str]:

@@ -1,4 +1,5 @@
-"""``make bench``: every benchmark at CPU size (about 20 minutes on 2 cores; EAGLE ~3-4 of them),
+"""``make bench``: every benchmark at CPU size (about 45 minutes on 2 cores: EAGLE ~3-4 of them,
+the serving benchmark ~12 (its peer is slow) and the soak 10),
 each in its own process writing to benchmarks/results, then RESULTS.md regenerated; run_all.json
 records each command, its exit status and wall time.
 """
@@ -19,6 +20,9 @@ FULL = {
     "spec_decode": "spec_decode --num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24 --methods ngram,eagle --eagle-prompts 8 "
     "--eagle-max-tokens 64 --eagle-batch-sizes 16,64",
+    "serving": "serving --rates 0.5,1,2,inf --num-prompts 32 --input-len 32:128 --output-len 32:64 "
+    "--chat-max-tokens 64",
+    "soak": "soak --num-requests 1000 --duration 600",
     "block_manager": "block_manager",
     "linear": "linear",
     "kernels": "kernels --spans 1,5,64 --iters 10",
