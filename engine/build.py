@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+import kernels
 from engine.config import EngineConfig
 from engine.model_loader import load_model, model_kv_shape
 from engine.model_runner import ModelRunner
@@ -24,6 +25,10 @@ from scheduler import Scheduler, SchedulerConfig
 
 # On CPU, KV defaults to this fraction of available RAM (capped by what the limits can use).
 _CPU_KV_MEMORY_FRACTION = 0.3
+# Block tables can outgrow max_model_len by a partial block and lookahead slots; the warm-up
+# plans for this much more (a variant compiled needlessly costs seconds once, a missed one
+# stalls serving).
+_WARMUP_CONTEXT_SLACK = 512
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         caches = allocate_kv_caches(
             *model_kv_shape(model_config), num_blocks, config.block_size, dtype, device
         )
+        # Compile every Triton variant now, not mid-serving (a no-op off CUDA).
+        max_context = max_model_len + _WARMUP_CONTEXT_SLACK
+        heads = int(model_config.num_attention_heads)
+        kernels.warmup(heads, *caches[0], max_context, config.attention_backend)
         return ModelRunner(model, caches, config.attention_backend, device)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -47,10 +47,18 @@ class ModelRunner:
         """Copy-on-write: the only KV copy the engine ever makes."""
         if not pairs:
             return
-        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
+        src, dst = self._to_device([x for pair in zip(*pairs, strict=True) for x in pair]).chunk(2)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as one int64 tensor on the device. On CUDA through pinned memory, copied
+        asynchronously: PyTorch's pinned-block cache reuses a block only once its copy is done."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(
@@ -87,21 +95,27 @@ class ModelRunner:
             cu_query_lens.append(cu_query_lens[-1] + n)
             logit_rows.extend(range(cu_query_lens[-1] - span.num_logits, cu_query_lens[-1]))
         width = max(len(s.block_table) for s in spans)
-        dev = self.device
-        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
+        tables = [x for s in spans for x in (*s.block_table, *[0] * (width - len(s.block_table)))]
+        # Every index tensor of the step in one host-to-device copy, the int32 ones last (made by
+        # one conversion). Each starts 16-byte aligned (padded to 4 entries) like a tensor of its
+        # own: Triton specialises kernels on pointer alignment.
+        parts = (input_ids, positions, slots, logit_rows, cu_query_lens, seq_lens, tables)
+        padded = [len(part) + -len(part) % 4 for part in parts]
+        staged = self._to_device([x for p in parts for x in (*p, *[0] * (-len(p) % 4))])
+        wide = sum(padded[:4])
+        views = staged[:wide].split(padded[:4]) + staged[wide:].to(torch.int32).split(padded[4:])
+        ids, pos, slot_mapping, rows_index, cu, lens, block_tables = (
+            view[: len(part)] for view, part in zip(views, parts, strict=True)
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_query_lens=torch.tensor(cu_query_lens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slot_mapping,
+            cu_query_lens=cu,
+            seq_lens=lens,
+            block_tables=block_tables.view(len(spans), width),
             backend=self.attention_backend,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         extra = {} if features is None else {"features": features}
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
-        rows = hidden
-        if len(logit_rows) != hidden.shape[0]:
-            rows = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
+        rows = hidden if len(logit_rows) == hidden.shape[0] else hidden[rows_index]
         logits = self.model.compute_logits(rows)
         return (logits, hidden) if return_hidden else logits
