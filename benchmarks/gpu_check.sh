@@ -15,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-./gpu_results}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
+WHEELS="${GPU_CHECK_WHEELS:-.whl}"
 DRY="${GPU_CHECK_DRY_RUN:-0}"
 PY=python3
 command -v python3 >/dev/null 2>&1 || PY=python
@@ -34,12 +35,12 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, logs its stat
 }
 
 echo "=== gpu_check $(date -u +%FT%TZ) in $PWD, results in $OUT, dry run: $DRY"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl || { echo "=== gpu_check: wheel install failed"; exit 1; }
+        --target "$SITE" "$WHEELS"/*.whl || { echo "=== gpu_check: wheel install failed"; exit 1; }
     export PYTHONPATH="$SITE"
 else
-    echo "note: no .whl/ (make gpu-wheels); using the installed packages"
+    echo "note: no $WHEELS/ (make gpu-wheels); using the installed packages"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', \

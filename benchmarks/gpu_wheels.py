@@ -1,6 +1,6 @@
-"""Downloads into .whl/ the Python 3.12 manylinux wheels a bare GPU machine needs for
-``benchmarks/gpu_check.sh``: exactly the packages the check imports, and what they require, at
-the versions installed here (what the tests ran with). ``make gpu-wheels`` runs it.
+"""Downloads into .whl/ the Python 3.12 (--python-version) manylinux wheels a bare GPU machine
+needs for ``benchmarks/gpu_check.sh``: exactly the packages the check imports, and what they
+require, at the versions installed here (what the tests ran with). ``make gpu-wheels`` runs it.
 
 Left out: what the device image and the dry run's virtualenv both hold, and where a second copy
 would be harmful (torch, triton and numpy: torch's C++ is built against its own numpy ABI), and
@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 ROOTS = ("transformers", "tokenizers", "safetensors", "huggingface-hub", "gguf", "tqdm", "pytest")
 EXCLUDED = {"torch", "triton", "numpy", "matplotlib"}
 LIMIT_MIB = 40
-_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+_MARKERS = {"sys_platform": "linux",
             "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
             "implementation_name": "cpython", "platform_python_implementation": "CPython",
             "extra": ""}  # fmt: skip
@@ -33,8 +33,10 @@ _PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
 _PLATFORMS += ["manylinux2014_x86_64", "manylinux1_x86_64"]
 
 
-def closure(roots=ROOTS) -> dict[str, str]:
-    """{name: installed version} of the roots and their runtime requirements, minus EXCLUDED."""
+def closure(python_version: str, roots=ROOTS) -> dict[str, str]:
+    """{name: installed version} of the roots and their runtime requirements on CPython
+    ``python_version`` (e.g. "3.12"), minus EXCLUDED."""
+    markers = _MARKERS | {"python_version": python_version, "python_full_version": python_version}
     pins: dict[str, str] = {}
     todo = [canonicalize_name(r) for r in roots]
     while todo:
@@ -45,29 +47,30 @@ def closure(roots=ROOTS) -> dict[str, str]:
         pins[name] = dist.version
         for line in dist.requires or []:
             req = Requirement(line)
-            if req.marker is None or req.marker.evaluate(_MARKERS):
+            if req.marker is None or req.marker.evaluate(markers):
                 todo.append(canonicalize_name(req.name))
     return pins
 
 
-def download(pins: dict[str, str], dest: Path) -> None:
+def download(pins: dict[str, str], dest: Path, python_version: str) -> None:
     platforms = [arg for p in _PLATFORMS for arg in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(dest),
-           *(f"{name}=={version}" for name, version in sorted(pins.items()))]  # fmt: skip
+           "--python-version", python_version, "--implementation", "cp", *platforms,
+           "-d", str(dest), *(f"{n}=={v}" for n, v in sorted(pins.items()))]  # fmt: skip
     subprocess.run(cmd, check=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", default=".whl")
+    parser.add_argument("--python-version", default="3.12", help="the GPU image's: 3.12")
     args = parser.parse_args(argv)
     dest = Path(args.dest)
-    pins = closure()
+    pins = closure(args.python_version)
     stale = [w for w in dest.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) not in pins]
     for wheel in stale:  # one version of each package: two stop the whole install there
         wheel.unlink()
-    download(pins, dest)
+    download(pins, dest, args.python_version)
     wheels = sorted(dest.glob("*.whl"))
     names = {canonicalize_name(w.name.split("-")[0]) for w in wheels}
     if names != set(pins) or len(wheels) != len(pins):

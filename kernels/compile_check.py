@@ -33,12 +33,16 @@ _RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 def variants(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[dict]:
     """Every (kernel, constants) the engine can launch for these dtypes and head dims."""
-    from kernels.triton_attention import _MAX_SPLITS, block_m_for
-    from kernels.triton_warmup import _ROW_POWERS
+    import torch
 
-    block_ms = sorted({block_m_for(2**p, GROUP) for p in _ROW_POWERS})
+    from kernels.triton_attention import _MAX_SPLITS, max_block_m
+    from kernels.triton_warmup import attention_variants
+
     out = []
     for dtype, block_d in itertools.product(dtypes, head_dims):
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        limit = max_block_m(torch_dtype, block_d)
+        block_ms = sorted({v.block_m for v in attention_variants(GROUP, 0, limit)})
         for block_m, split in itertools.product(block_ms, (False, True)):
             out.append(dict(kernel="attention", dtype=dtype, block_d=block_d,
                             block_m=block_m, split=split))  # fmt: skip

@@ -254,10 +254,10 @@ def max_auto_splits(max_context: int) -> int:
     return max(1, min(max_context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-def block_m_for(rows: int, group: int) -> int:
-    """BLOCK_M for spans of `rows` (token, head) rows on average: a power of two in [16, 64],
+def block_m_for(rows: int, group: int, limit: int = 64) -> int:
+    """BLOCK_M for spans of `rows` (token, head) rows on average: a power of two in [16, limit],
     at least the group size (one token's heads share a tile)."""
-    return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(rows)))
+    return max(16, triton.next_power_of_2(group), min(limit, triton.next_power_of_2(rows)))
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,9 @@ class KernelConfig:
 # class GPUs have no more): tests/test_kernel_compile.py. The Q, K and V tiles and the fp32
 # accumulator live in registers with their gather addresses, so all but the smallest tile take 8
 # warps, and the widest (fp32, head dim 128) narrower KV tiles. ptxas is not monotone here (fp32
-# 128 x 32 spills with 2 stages, 128 x 64 with 1): each entry is the first that compiled clean.
+# 128 x 32 split-KV spills with 1 or 2 stages, not 3): each entry is the first that compiled
+# clean. fp32 at head dim 128 spills at BLOCK_M 64 under every config tried (4-16 warps, BLOCK_N
+# 16-32, 1-4 stages), so its tiles stop at 32 rows (max_block_m).
 _CONFIGS = {
     (False, 64, 16): KernelConfig(64, 4, 2),
     (False, 64, 32): KernelConfig(64, 8, 2),
@@ -286,11 +288,16 @@ _CONFIGS = {
     (True, 64, 32): KernelConfig(64, 8, 2),
     (True, 64, 64): KernelConfig(32, 8, 2),
     (True, 128, 16): KernelConfig(32, 8, 2),
-    (True, 128, 32): KernelConfig(16, 8, 1),
-    (True, 128, 64): KernelConfig(16, 8, 2),
+    (True, 128, 32): KernelConfig(16, 8, 3),
 }
 # Head dims past 128 (no model served here has them): small tiles, not compile-checked.
 _WIDE_HEAD_CONFIG = KernelConfig(16, 8, 1)
+
+
+def max_block_m(dtype: torch.dtype, block_d: int) -> int:
+    """The largest BLOCK_M plan_launch may pick (before the GQA group's minimum): 64, and 32 for
+    fp32 past head dim 64 (see _CONFIGS)."""
+    return 32 if dtype == torch.float32 and block_d > 64 else 64
 
 
 def kernel_config(dtype: torch.dtype, block_d: int, block_m: int) -> KernelConfig:
@@ -317,13 +324,16 @@ def plan_launch(
     max_context: int,
     device: torch.device,
     num_splits: int | None = None,
+    block_m_limit: int = 64,
 ) -> LaunchPlan:
     """Tile shape and split count for a launch, from shapes only (no host sync).
 
-    BLOCK_M covers the rows of an average span (tokens * G) as a power of two in [16, 64]: decode
-    (span 1) gets one small tile per sequence and KV head, prefill full tiles.
+    BLOCK_M covers the rows of an average span (tokens * G) as a power of two in [16, 64]
+    (block_m_limit: max_block_m's): decode (span 1) gets one small tile per sequence and KV head,
+    prefill full tiles.
     """
-    block_m = block_m_for(triton.cdiv(num_tokens, num_seqs) * group, group)
+    rows = triton.cdiv(num_tokens, num_seqs) * group
+    block_m = block_m_for(rows, group, block_m_limit)
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
     if num_splits is None:
@@ -374,8 +384,9 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    limit = max_block_m(query.dtype, max(16, triton.next_power_of_2(head_dim)))
     plan = plan_launch(
-        num_tokens, num_seqs, group, num_kv_heads, max_context, query.device, num_splits
+        num_tokens, num_seqs, group, num_kv_heads, max_context, query.device, num_splits, limit
     )
     launch(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, plan)
     return out

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels import triton_attention
-from kernels.triton_attention import LaunchPlan, block_m_for, max_auto_splits
+from kernels.triton_attention import LaunchPlan, block_m_for, max_auto_splits, max_block_m
 from kernels.triton_kv_write import write_kv_cache
+from kernels.triton_setup import triton
 
 # Rows per tile BLOCK_M takes min(64, next_power_of_2(rows)) of; 2**6 = 64 is the largest.
 _ROW_POWERS = range(7)
@@ -31,10 +32,11 @@ class Variant:
     num_splits: int
 
 
-def attention_variants(group: int, max_context: int) -> list[Variant]:
-    """Every variant plan_launch can choose on a GPU for GQA group `group` and contexts of up to
-    `max_context` tokens: each BLOCK_M single-pass and split, and every merge width."""
-    block_ms = sorted({block_m_for(2**p, group) for p in _ROW_POWERS})
+def attention_variants(group: int, max_context: int, block_m_limit: int = 64) -> list[Variant]:
+    """Every variant plan_launch can choose on a GPU for GQA group `group`, contexts of up to
+    `max_context` tokens and its block_m_limit: each BLOCK_M single-pass and split, and every
+    merge width."""
+    block_ms = sorted({block_m_for(2**p, group, block_m_limit) for p in _ROW_POWERS})
     variants = [Variant(m, 1) for m in block_ms]
     splits = max_auto_splits(max_context)
     if splits > 1:
@@ -80,7 +82,8 @@ def warmup(
     seq_lens = torch.ones(1, **int32)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
-    variants = attention_variants(group, max_context) if attention else []
+    limit = max_block_m(dtype, max(16, triton.next_power_of_2(head_dim)))
+    variants = attention_variants(group, max_context, limit) if attention else []
     for variant in variants:
         block_q = variant.block_m // group
         plan = LaunchPlan(variant.block_m, block_q, 1 // block_q + 1, variant.num_splits)

@@ -17,18 +17,24 @@ from kernels.triton_warmup import Variant, attention_variants
 CUDA = torch.cuda.is_available()
 
 
-def _launched(num_tokens: int, num_seqs: int, group: int, kv_heads: int, context: int, sms: int):
+def _launched(
+    tokens: int, seqs: int, group: int, kv_heads: int, context: int, sms: int, limit: int
+):
     """The (attention, merge) variants one launch compiles, by plan_launch's choice on a GPU."""
-    plan = plan_launch(num_tokens, num_seqs, group, kv_heads, context, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    plan = plan_launch(tokens, seqs, group, kv_heads, context, cpu, block_m_limit=limit)
     splits = splits_for(plan.num_tiles * kv_heads, context, sms)
     attention = Variant(plan.block_m, 1 if splits == 1 else 2)
     merge = None if splits == 1 else 1 << (splits - 1).bit_length()
     return attention, merge
 
 
-@pytest.mark.parametrize("group, kv_heads, max_context", [(4, 8, 8192), (3, 3, 2048), (32, 1, 300)])
-def test_variants_cover_every_launch(group, kv_heads, max_context):
-    variants = attention_variants(group, max_context)
+@pytest.mark.parametrize(
+    "group, kv_heads, max_context, limit",
+    [(4, 8, 8192, 64), (3, 3, 2048, 64), (32, 1, 300, 64), (4, 8, 8192, 32)],
+)
+def test_variants_cover_every_launch(group, kv_heads, max_context, limit):
+    variants = attention_variants(group, max_context, limit)
     assert len(set(variants)) == len(variants)
     merges = {v.num_splits for v in variants if v.num_splits > 1}
     seen = set()
@@ -38,7 +44,7 @@ def test_variants_cover_every_launch(group, kv_heads, max_context):
             continue
         for context in (1, 256, 511, 512, 2000, max_context):
             context = min(context, max_context)
-            attention, merge = _launched(tokens, seqs, group, kv_heads, context, sms)
+            attention, merge = _launched(tokens, seqs, group, kv_heads, context, sms, limit)
             assert attention in variants, (tokens, seqs, context, sms)
             assert merge is None or merge in merges, (tokens, seqs, context, sms)
             seen.add(attention)
