@@ -96,10 +96,15 @@ def render_throughput(p: dict) -> list[str]:
         "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
     )
     blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
-    after = [f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
-             f"{sum(s['preemptions'] for _, s in used)}.", "The ceiling bounds decode alone; the "
-             "fraction divides generated tokens/s, whose time includes prefill, by it.", "",
-             f"![throughput]({{results}}/{p['plot']})", ""]  # fmt: skip
+    after = [
+        f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
+        f"{sum(s['preemptions'] for _, s in used)}.",
+        "The ceiling bounds decode alone; the "
+        "fraction divides generated tokens/s, whose time includes prefill, by it.",
+        "",
+    ]
+    if p.get("plot"):  # none where matplotlib is missing (the GPU check)
+        after += [f"![throughput]({{results}}/{p['plot']})", ""]
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
     return _section(title, notes, columns, rows, after)
 

@@ -181,15 +181,15 @@ def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out_dir / tag}.json\n" + report.section(payload, f"{tag}.json"))
     if plot is not None:
         try:
             plot(payload, out_dir / f"{tag}.png")
         except ImportError as exc:
             print(f"note: no plot ({exc})")
-            return
-        payload["plot"] = f"{tag}.png"
-        (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
+        else:
+            payload["plot"] = f"{tag}.png"
+            (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out_dir / tag}.json\n" + report.section(payload, f"{tag}.json"))
 
 
 def plot(path: Path, lines: list[tuple], xlabel: str, ylabel: str, title: str, log: bool) -> None:
