@@ -250,7 +250,7 @@ def render_linear(p: dict) -> list[str]:
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
-        return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
+        return render_gpu_kernels(p)
     notes = [
         *_machine(p),
         f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
@@ -262,6 +262,22 @@ def render_kernels(p: dict) -> list[str]:
     columns += "K/V GB/s={gb_per_s:.1f} | ms per 30 layers={ms_per_step_30_layers:.1f} | "
     columns += "vs torch={speedup_vs_torch:.2fx}"
     return _section(title, notes, columns, p["rows"])
+
+
+def render_gpu_kernels(p: dict) -> list[str]:
+    """benchmarks/gpu_check.sh's kernel run (RESULTS-GPU.md)."""
+    shape = ", ".join(f"{k}={v}" for k, v in p["shape"].items())
+    notes = [*_machine(p), f"- one call = one layer; {shape}; device copy "
+             f"{p['copy_bandwidth_gb_per_s']:.0f} GB/s; xformers: {p['xformers']}; skipped: "
+             f"{len(p['skipped'])} cases"]  # fmt: skip
+    title = f"Paged attention on {p['device']}: Triton vs xFormers vs gather + SDPA (`torch`)"
+    columns = "span={span} | batch={batch} | context={context} | backend={backend} | "
+    columns += "splits={splits} | median µs={median_us:.1f} | K/V GB/s={gb_per_s:.0f} | "
+    columns += "of copy={of_copy_bw:.0%} | rel. error={rel_err_vs_fp32:.1e}"
+    errors = [f"- {r['backend']} at span {r['span']}, batch {r['batch']}, context "
+              f"{r['context']}: {r['error']}" for r in p["rows"] if "error" in r]  # fmt: skip
+    rows = [r for r in p["rows"] if "error" not in r]
+    return _section(title, notes, columns, rows, [*errors, ""] if errors else ())
 
 
 def render_run_all(p: dict) -> list[str]:
@@ -362,5 +378,9 @@ def render(results_dir: Path, output: Path) -> str:
 
 
 if __name__ == "__main__":
-    out = Path("benchmarks/RESULTS.md")
-    out.write_text(render(Path("benchmarks/results"), out))
+    # python -m benchmarks.report [RESULTS_DIR OUTPUT]: the GPU check's JSON renders the same way
+    # (benchmarks/results-gpu -> benchmarks/RESULTS-GPU.md, README "GPU check").
+    import sys
+
+    results, out = map(Path, sys.argv[1:3] or ("benchmarks/results", "benchmarks/RESULTS.md"))
+    out.write_text(render(results, out))
