@@ -47,18 +47,36 @@ class ModelRunner:
         """Copy-on-write: the only KV copy the engine ever makes."""
         if not pairs:
             return
-        src, dst = self._to_device([x for pair in zip(*pairs, strict=True) for x in pair]).chunk(2)
+        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """``values`` as one int64 tensor on the device. On CUDA through pinned memory, copied
-        asynchronously: PyTorch's pinned-block cache reuses a block only once its copy is done."""
-        host = torch.tensor(values, dtype=torch.int64)
+    def _index_tensors(
+        self, int64: list[list[int]], int32: list[list[int]], tables: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """The step's index lists as tensors on the device: int64 ones, int32 ones, then the
+        block tables (rows of equal length) as one int32 [rows, width] tensor.
+
+        On the CPU one tensor each. Elsewhere one host-to-device copy for all (on CUDA from
+        pinned memory, asynchronously: PyTorch's pinned-block cache reuses a block only once its
+        copy is done), the int32 ones made by one conversion. Each starts 16-byte aligned (padded
+        to 4 entries) like a tensor of its own: Triton specialises kernels on pointer alignment.
+        """
+        if self.device.type == "cpu":
+            wide = [torch.tensor(p, dtype=torch.int64) for p in int64]
+            return wide + [torch.tensor(p, dtype=torch.int32) for p in [*int32, tables]]
+        parts = [*int64, *int32, [x for row in tables for x in row]]
+        host = torch.tensor([x for p in parts for x in (*p, *[0] * (-len(p) % 4))])
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        staged = host.to(self.device, non_blocking=True)
+        sizes = [len(p) + -len(p) % 4 for p in parts]
+        wide = sum(sizes[: len(int64)])
+        views = staged[:wide].split(sizes[: len(int64)])
+        views += staged[wide:].to(torch.int32).split(sizes[len(int64) :])
+        out = [view[: len(p)] for view, p in zip(views, parts, strict=True)]
+        return out[:-1] + [out[-1].view(len(tables), -1)]
 
     @torch.inference_mode()
     def forward(
@@ -95,27 +113,22 @@ class ModelRunner:
             cu_query_lens.append(cu_query_lens[-1] + n)
             logit_rows.extend(range(cu_query_lens[-1] - span.num_logits, cu_query_lens[-1]))
         width = max(len(s.block_table) for s in spans)
-        tables = [x for s in spans for x in (*s.block_table, *[0] * (width - len(s.block_table)))]
-        # Every index tensor of the step in one host-to-device copy, the int32 ones last (made by
-        # one conversion). Each starts 16-byte aligned (padded to 4 entries) like a tensor of its
-        # own: Triton specialises kernels on pointer alignment.
-        parts = (input_ids, positions, slots, logit_rows, cu_query_lens, seq_lens, tables)
-        padded = [len(part) + -len(part) % 4 for part in parts]
-        staged = self._to_device([x for p in parts for x in (*p, *[0] * (-len(p) % 4))])
-        wide = sum(padded[:4])
-        views = staged[:wide].split(padded[:4]) + staged[wide:].to(torch.int32).split(padded[4:])
-        ids, pos, slot_mapping, rows_index, cu, lens, block_tables = (
-            view[: len(part)] for view, part in zip(views, parts, strict=True)
+        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
+        # The logit-row index only where some token's logits are not wanted.
+        every_row = len(logit_rows) == len(input_ids)
+        int64 = [input_ids, positions, slots] + [logit_rows] * (not every_row)
+        ids, pos, slot_mapping, *rows_index, cu, lens, block_tables = self._index_tensors(
+            int64, [cu_query_lens, seq_lens], tables
         )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             cu_query_lens=cu,
             seq_lens=lens,
-            block_tables=block_tables.view(len(spans), width),
+            block_tables=block_tables,
             backend=self.attention_backend,
         )
         extra = {} if features is None else {"features": features}
         hidden = self.model(ids, pos, self.kv_caches, meta, **extra)
-        rows = hidden if len(logit_rows) == hidden.shape[0] else hidden[rows_index]
+        rows = hidden if every_row else hidden[rows_index[0]]
         logits = self.model.compute_logits(rows)
         return (logits, hidden) if return_hidden else logits
