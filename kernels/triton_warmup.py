@@ -17,7 +17,7 @@ import torch
 from kernels import triton_attention
 from kernels.triton_attention import LaunchPlan, block_m_for, max_auto_splits, max_block_m
 from kernels.triton_kv_write import write_kv_cache
-from kernels.triton_setup import triton
+from kernels.triton_setup import interpreted, triton
 
 # Rows per tile BLOCK_M takes min(64, next_power_of_2(rows)) of; 2**6 = 64 is the largest.
 _ROW_POWERS = range(7)
@@ -66,8 +66,8 @@ def warmup(
     KV write is compiled with slot -1, which writes nothing; attention reads block 0 and its
     output is thrown away.
     """
-    if k_cache.device.type != "cuda":
-        return []
+    if k_cache.device.type != "cuda" or interpreted(triton_attention._attention_kernel):
+        return []  # TRITON_INTERPRET=1 on a GPU machine: nothing is compiled
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     qk = torch.zeros(1, num_heads + num_kv_heads, head_dim, dtype=dtype, device=device)
