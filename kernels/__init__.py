@@ -140,8 +140,10 @@ def warmup(
     """Compiles every Triton kernel variant the backend can launch on these caches (one layer's;
     all layers share the variants), so no step waits for a compile; returns how many attention
     variants were compiled. Nothing to do off CUDA or for the torch and cpu backends."""
+    if k_cache.device.type != "cuda":
+        return 0
     chosen = _resolve(backend, k_cache)
-    if k_cache.device.type != "cuda" or chosen not in ("triton", "xformers"):
+    if chosen not in ("triton", "xformers"):
         return 0
     from kernels.triton_warmup import warmup as triton_warmup
 
