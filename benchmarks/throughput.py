@@ -131,6 +131,8 @@ DUMMY_NOTE += "ignore_eos the work, hence the throughput, does not depend on the
 def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
     """Copy bandwidth (read + write) and GEMM rate past caches and launch costs, fastest of 5."""
     copy_bytes, n = (2 << 30, 8192) if device.type == "cuda" else (256 << 20, 2048)
+    if device.type == "cpu" and dtype != torch.float32:
+        n = 512  # CPU half-precision GEMMs run at a few GFLOP/s: 2048 would take minutes
     fastest = lambda fn: min(time_calls(fn, 5, device=device))
     src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

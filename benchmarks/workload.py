@@ -122,6 +122,7 @@ def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options
     tp = getattr(args, "tensor_parallel_size", 1)  # a flag of throughput.py only
     fields = dict(model=spec.engine_model, load_format=spec.load_format, seed=args.seed)
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
+    fields |= dict(attention_backend=args.attention_backend)
     fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks, tensor_parallel_size=tp)
     return LLMEngine(EngineConfig(**fields, **options))
 
@@ -134,11 +135,12 @@ def release_memory(device: torch.device) -> None:
 
 
 def parser(doc: str, model: bool = True, output_dir: str = "benchmarks/results"):
-    """An argument parser with --output-dir and, with ``model``, --model, --dtype, --device and
-    --seed."""
+    """An argument parser with --output-dir and, with ``model``, --model, --dtype, --device,
+    --attention-backend and --seed."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--output-dir", default=output_dir)
-    for flag, default in (("--model", None), ("--dtype", "auto"), ("--device", "auto")) * model:
+    flags = ("--model", None), ("--dtype", "auto"), ("--device", "auto")
+    for flag, default in (*flags, ("--attention-backend", "auto")) * model:
         parser.add_argument(flag, default=default)
     if model:
         parser.add_argument("--seed", type=int, default=0)
@@ -172,15 +174,22 @@ def machine_info(device: torch.device, module: str) -> dict:
 
 def save(payload: dict, out_dir: str | Path, tag: str, plot=None) -> None:
     """Writes ``payload`` to ``out_dir/tag.json`` and, with ``plot(payload, path)`` given, its
-    plot to ``out_dir/tag.png`` (named in the payload's "plot"); prints its RESULTS.md part."""
+    plot to ``out_dir/tag.png`` (named in the payload's "plot"); prints its RESULTS.md part.
+    The JSON is written first: a missing matplotlib (the GPU check carries none) loses the plot
+    only."""
     from benchmarks import report
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if plot is not None:
-        payload["plot"] = f"{tag}.png"
-        plot(payload, out_dir / payload["plot"])
     (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if plot is not None:
+        try:
+            plot(payload, out_dir / f"{tag}.png")
+        except ImportError as exc:
+            print(f"note: no plot ({exc})")
+        else:
+            payload["plot"] = f"{tag}.png"
+            (out_dir / f"{tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out_dir / tag}.json\n" + report.section(payload, f"{tag}.json"))
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+import kernels
 from engine.config import EngineConfig
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
@@ -27,6 +28,10 @@ from scheduler import Scheduler, SchedulerConfig
 
 # On CPU, KV defaults to this fraction of available RAM (capped by what the limits can use).
 _CPU_KV_MEMORY_FRACTION = 0.3
+# Block tables can outgrow max_model_len by a partial block and lookahead slots; the warm-up
+# plans for this much more (a variant compiled needlessly costs seconds once, a missed one
+# stalls serving).
+_WARMUP_CONTEXT_SLACK = 512
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,10 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
 
     def runner(model: nn.Module, model_config: PretrainedConfig, index: int):
         local = make_runner(model, model_config, config, num_blocks, shard)
+        # Compile every Triton variant now, not mid-serving (a no-op off CUDA).
+        max_context = max_model_len + _WARMUP_CONTEXT_SLACK
+        heads = int(model_config.num_attention_heads) // shard.size
+        kernels.warmup(heads, *local.kv_caches[0], max_context, config.attention_backend)
         return local if tp is None else DistributedRunner(local, index, tp)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -52,6 +52,32 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def _index_tensors(
+        self, int64: list[list[int]], int32: list[list[int]], tables: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """The step's index lists as tensors on the device: int64 ones, int32 ones, then the
+        block tables (rows of equal length) as one int32 [rows, width] tensor.
+
+        On the CPU one tensor each. Elsewhere one host-to-device copy for all (on CUDA from
+        pinned memory, asynchronously: PyTorch's pinned-block cache reuses a block only once its
+        copy is done), the int32 ones made by one conversion. Each starts 16-byte aligned (padded
+        to 4 entries) like a tensor of its own: Triton specialises kernels on pointer alignment.
+        """
+        if self.device.type == "cpu":
+            wide = [torch.tensor(p, dtype=torch.int64) for p in int64]
+            return wide + [torch.tensor(p, dtype=torch.int32) for p in [*int32, tables]]
+        parts = [*int64, *int32, [x for row in tables for x in row]]
+        host = torch.tensor([x for p in parts for x in (*p, *[0] * (-len(p) % 4))])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        staged = host.to(self.device, non_blocking=True)
+        sizes = [len(p) + -len(p) % 4 for p in parts]
+        wide = sum(sizes[: len(int64)])
+        views = staged[:wide].split(sizes[: len(int64)])
+        views += staged[wide:].to(torch.int32).split(sizes[len(int64) :])
+        out = [view[: len(p)] for view, p in zip(views, parts, strict=True)]
+        return out[:-1] + [out[-1].view(len(tables), -1)]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -88,25 +114,30 @@ class ModelRunner:
             cu_query_lens.append(cu_query_lens[-1] + n)
             logit_rows.extend(range(cu_query_lens[-1] - span.num_logits, cu_query_lens[-1]))
         width = max(len(s.block_table) for s in spans)
-        dev = self.device
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
+        # The logit-row index only where some token's logits are not wanted.
+        every_row = len(logit_rows) == len(input_ids)
+        int64 = [input_ids, positions, slots] + [logit_rows] * (not every_row)
+        ids, pos, slot_mapping, *rows_index, cu, lens, block_tables = self._index_tensors(
+            int64, [cu_query_lens, seq_lens], tables
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_query_lens=torch.tensor(cu_query_lens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slot_mapping,
+            cu_query_lens=cu,
+            seq_lens=lens,
+            block_tables=block_tables,
             backend=self.attention_backend,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        row_index = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
         if features is not None:  # a draft head computes its logit rows only
             if any(span.num_logits > 1 for span in spans):
                 raise ValueError("a draft head's spans take at most one logit row each")
+            row_index = (
+                rows_index[0] if rows_index else torch.arange(len(input_ids), device=ids.device)
+            )
             hidden = self.model(ids, pos, self.kv_caches, meta, features, row_index)
             rows = hidden
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)
-            rows = hidden if len(logit_rows) == hidden.shape[0] else hidden[row_index]
+            rows = hidden if every_row else hidden[rows_index[0]]
         logits = self.model.compute_logits(rows)
         return (logits, hidden) if return_hidden else logits

@@ -24,6 +24,7 @@ __all__ = [
     "paged_attention",
     "plan_paged_attention",
     "plan_write_kv_cache",
+    "warmup",
     "write_kv_cache",
 ]
 
@@ -127,3 +128,24 @@ def paged_attention(
     from kernels.xformers_backend import paged_attention as xformers_attention
 
     return xformers_attention(*args)
+
+
+def warmup(
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    max_context: int,
+    backend: Backend = "auto",
+) -> int:
+    """Compiles every Triton kernel variant the backend can launch on these caches (one layer's;
+    all layers share the variants), so no step waits for a compile; returns how many attention
+    variants were compiled. Nothing to do off CUDA or for the torch and cpu backends."""
+    if k_cache.device.type != "cuda":
+        return 0
+    chosen = _resolve(backend, k_cache)
+    if chosen not in ("triton", "xformers"):
+        return 0
+    from kernels.triton_warmup import warmup as triton_warmup
+
+    variants = triton_warmup(num_heads, k_cache, v_cache, max_context, chosen == "triton")
+    return len(variants)

@@ -51,7 +51,8 @@ _SUM_COMBINE = tl.standard._sum_combine
 
 # Sizes that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per value class, e.g. num_tokens == 1 or divisible by 16): no compile stalls mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+# stride_bt_s is the padded block-table width, which grows with the longest sequence of a step.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt_s"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -236,11 +237,75 @@ def _auto_num_splits(programs: int, max_context: int, device: torch.device) -> i
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return splits_for(programs, max_context, sms)
+
+
+def splits_for(programs: int, max_context: int, sms: int) -> int:
+    """_auto_num_splits on a GPU with `sms` streaming multiprocessors."""
     if programs >= sms:
         return 1
     return max(
         1, min(triton.cdiv(2 * sms, programs), max_context // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
     )
+
+
+def max_auto_splits(max_context: int) -> int:
+    """The most splits _auto_num_splits can choose for contexts of up to max_context tokens."""
+    return max(1, min(max_context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+
+
+def block_m_for(rows: int, group: int, limit: int = 64) -> int:
+    """BLOCK_M for spans of `rows` (token, head) rows on average: a power of two in [16, limit],
+    at least the group size (one token's heads share a tile)."""
+    return max(16, triton.next_power_of_2(group), min(limit, triton.next_power_of_2(rows)))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile width along KV and the launch resources of one attention variant."""
+
+    block_n: int  # KV positions per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+# (fp32, BLOCK_D, BLOCK_M) -> KernelConfig, each compiled for sm_80 and sm_90 by
+# kernels.compile_check with no register spills and <= 99 KB of shared memory (A10 / L4 / RTX 4090
+# class GPUs have no more): tests/test_kernel_compile.py. The Q, K and V tiles and the fp32
+# accumulator live in registers with their gather addresses, so all but the smallest tile take 8
+# warps, and the widest (fp32, head dim 128) narrower KV tiles. ptxas is not monotone here (fp32
+# 128 x 32 split-KV spills with 1 or 2 stages, not 3): each entry is the first that compiled
+# clean. fp32 at head dim 128 spills at BLOCK_M 64 under every config tried (4-16 warps, BLOCK_N
+# 16-32, 1-4 stages), so its tiles stop at 32 rows (max_block_m).
+_CONFIGS = {
+    (False, 64, 16): KernelConfig(64, 4, 2),
+    (False, 64, 32): KernelConfig(64, 8, 2),
+    (False, 64, 64): KernelConfig(64, 8, 2),
+    (False, 128, 16): KernelConfig(64, 8, 2),
+    (False, 128, 32): KernelConfig(64, 8, 2),
+    (False, 128, 64): KernelConfig(32, 8, 2),
+    (True, 64, 16): KernelConfig(64, 8, 2),
+    (True, 64, 32): KernelConfig(64, 8, 2),
+    (True, 64, 64): KernelConfig(32, 8, 2),
+    (True, 128, 16): KernelConfig(32, 8, 2),
+    (True, 128, 32): KernelConfig(16, 8, 3),
+}
+# Head dims past 128 (no model served here has them): small tiles, not compile-checked.
+_WIDE_HEAD_CONFIG = KernelConfig(16, 8, 1)
+
+
+def max_block_m(dtype: torch.dtype, block_d: int) -> int:
+    """The largest BLOCK_M plan_launch may pick (before the GQA group's minimum): 64, and 32 for
+    fp32 past head dim 64 (see _CONFIGS)."""
+    return 32 if dtype == torch.float32 and block_d > 64 else 64
+
+
+def kernel_config(dtype: torch.dtype, block_d: int, block_m: int) -> KernelConfig:
+    """Launch config per (dtype, padded head dim, BLOCK_M): see _CONFIGS. Head dims up to 64 use
+    the 64 entries (smaller tiles fit wherever those do)."""
+    if block_d > 128:
+        return _WIDE_HEAD_CONFIG
+    return _CONFIGS[dtype == torch.float32, max(64, block_d), min(64, block_m)]
 
 
 @dataclass(frozen=True)
@@ -259,14 +324,16 @@ def plan_launch(
     max_context: int,
     device: torch.device,
     num_splits: int | None = None,
+    block_m_limit: int = 64,
 ) -> LaunchPlan:
     """Tile shape and split count for a launch, from shapes only (no host sync).
 
-    BLOCK_M covers the rows of an average span (tokens * G) as a power of two in [16, 64]: decode
-    (span 1) gets one small tile per sequence and KV head, prefill full tiles.
+    BLOCK_M covers the rows of an average span (tokens * G) as a power of two in [16, 64]
+    (block_m_limit: max_block_m's): decode (span 1) gets one small tile per sequence and KV head,
+    prefill full tiles.
     """
     rows = triton.cdiv(num_tokens, num_seqs) * group
-    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(rows)))
+    block_m = block_m_for(rows, group, block_m_limit)
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
     if num_splits is None:
@@ -317,11 +384,33 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
+    limit = max_block_m(query.dtype, max(16, triton.next_power_of_2(head_dim)))
     plan = plan_launch(
-        num_tokens, num_seqs, group, num_kv_heads, max_context, query.device, num_splits
+        num_tokens, num_seqs, group, num_kv_heads, max_context, query.device, num_splits, limit
     )
+    launch(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, plan)
+    return out
+
+
+def launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    plan: LaunchPlan,
+) -> None:
+    """Launches the kernels for a checked, non-empty problem under `plan` (the warm-up forces
+    plans this way to compile every variant)."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_seqs = seq_lens.shape[0]
     num_splits = plan.num_splits
     block_d = max(16, triton.next_power_of_2(head_dim))
+    config = kernel_config(query.dtype, block_d, plan.block_m)
     if num_splits > 1:
         part_m = torch.empty(num_splits, num_tokens, num_heads, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -355,14 +444,16 @@ def paged_attention(
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         *block_tables.stride(),
-        GROUP=group,
+        GROUP=num_heads // num_kv_heads,
         BLOCK_M=plan.block_m,
         BLOCK_Q=plan.block_q,
-        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_N=config.block_n,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         SPLIT_KV=num_splits > 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
@@ -379,4 +470,3 @@ def paged_attention(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
-    return out

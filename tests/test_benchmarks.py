@@ -273,12 +273,25 @@ def test_run_all_commands_parse():
 
 
 def test_gpu_check_benchmark_commands_parse():
+    """The GPU branch's flags parse (CI's gpu-dry-run executes the other branch)."""
     script = (BENCHMARKS / "gpu_check.sh").read_text().replace("\\\n", " ")
-    script = script.replace("$OUT", "out").replace("$shape", "llama-3.2-1b")
+    # name=(...) arrays: the GPU branch's assignment comes last and wins.
+    arrays = {
+        k: " ".join(v.split()) for k, v in re.findall(r"^\s*(\w+)=\((.*?)\)", script, re.M | re.S)
+    }
+    script = re.sub(r'"\$\{(\w+)\[@\]\}"', lambda m: arrays[m[1]], script).replace("$OUT", "out")
     commands = re.findall(r'"\$PY" -m (benchmarks\.\w+)(.*)', script)
-    assert {module for module, _ in commands} == {"benchmarks.throughput"}
-    for module, argv in commands:
-        _parse(module, shlex.split(argv))
+    assert [module for module, _ in commands] == [
+        "benchmarks.kernels",
+        "benchmarks.throughput",
+        "benchmarks.throughput",  # the TP=2 step, on two GPUs
+    ]
+    kernels_args, throughput_args, tp_args = (_parse(m, shlex.split(argv)) for m, argv in commands)
+    assert not kernels_args.tiny
+    assert (throughput_args.device, throughput_args.dtype) == ("cuda", "bfloat16")
+    assert throughput_args.batch_sizes == "1,16,64,256"
+    assert throughput_args.model_config == "llama-3.2-1b"
+    assert tp_args.tensor_parallel_size == 2
 
 
 @pytest.fixture(scope="module")

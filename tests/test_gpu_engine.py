@@ -1,0 +1,95 @@
+"""The engine on CUDA with the Triton kernels: the start-up warm-up compiles every variant, so
+serving never compiles (and so never stalls for 1-3 s); the variant enumeration it relies on is
+checked against plan_launch on the CPU.
+
+Collected by benchmarks/gpu_check.sh on the GPU: this module imports nothing that builds the C++
+CPU extension.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.triton_attention import block_m_for, plan_launch, splits_for
+from kernels.triton_warmup import Variant, attention_variants
+
+CUDA = torch.cuda.is_available()
+
+
+def _launched(
+    tokens: int, seqs: int, group: int, kv_heads: int, context: int, sms: int, limit: int
+):
+    """The (attention, merge) variants one launch compiles, by plan_launch's choice on a GPU."""
+    cpu = torch.device("cpu")
+    plan = plan_launch(tokens, seqs, group, kv_heads, context, cpu, block_m_limit=limit)
+    splits = splits_for(plan.num_tiles * kv_heads, context, sms)
+    attention = Variant(plan.block_m, 1 if splits == 1 else 2)
+    merge = None if splits == 1 else 1 << (splits - 1).bit_length()
+    return attention, merge
+
+
+@pytest.mark.parametrize(
+    "group, kv_heads, max_context, limit",
+    [(4, 8, 8192, 64), (3, 3, 2048, 64), (32, 1, 300, 64), (4, 8, 8192, 32)],
+)
+def test_variants_cover_every_launch(group, kv_heads, max_context, limit):
+    variants = attention_variants(group, max_context, limit)
+    assert len(set(variants)) == len(variants)
+    merges = {v.num_splits for v in variants if v.num_splits > 1}
+    seen = set()
+    sizes = (1, 2, 3, 5, 8, 16, 17, 64, 100, 256, 1000, 4096)
+    for tokens, seqs, sms in itertools.product(sizes, sizes, (1, 8, 132)):
+        if seqs > tokens:
+            continue
+        for context in (1, 256, 511, 512, 2000, max_context):
+            context = min(context, max_context)
+            attention, merge = _launched(tokens, seqs, group, kv_heads, context, sms, limit)
+            assert attention in variants, (tokens, seqs, context, sms)
+            assert merge is None or merge in merges, (tokens, seqs, context, sms)
+            seen.add(attention)
+            seen |= {merge} - {None}
+    # Nothing compiled that no launch uses: every variant (and merge width) was seen.
+    assert seen == {v for v in variants if v.num_splits <= 2} | merges
+
+
+def test_block_m_covers_the_group():
+    assert [block_m_for(rows, 4) for rows in (1, 16, 17, 64, 10_000)] == [16, 16, 32, 64, 64]
+    assert block_m_for(1, 32) == 32
+    assert attention_variants(32, 256) == [Variant(32, 1), Variant(64, 1)]
+
+
+def _compiled_kernels() -> int:
+    from kernels import triton_attention, triton_kv_write
+
+    kernels = (
+        triton_attention._attention_kernel,
+        triton_attention._merge_kernel,
+        triton_kv_write._write_kv_kernel,
+    )
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_serving_compiles_nothing_after_warmup():
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig(
+        model="benchmarks/model_configs/llama-3.2-1b.json", load_format="dummy",
+        dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=64,
+        num_kv_blocks=4096,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    compiled = _compiled_kernels()
+    assert compiled > 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    # Decodes alone (split-KV over long contexts), mixed prefill chunks, wide batches.
+    for batch, prompt in ((1, 3000), (4, 1000), (64, 40), (16, 300)):
+        for i in range(batch):
+            ids = torch.randint(10, 1000, (prompt,), generator=gen).tolist()
+            engine.add_request(f"{batch}-{i}", ids, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert _compiled_kernels() == compiled, "a kernel variant was compiled while serving"
