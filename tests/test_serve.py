@@ -299,6 +299,8 @@ def test_queue_bound_503_and_disconnects_free_blocks(server):
 
 def test_metrics_parse(server):
     server.client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=3)
+    bad = {"model": MODEL, "prompt": "hi", "top_p": -1}
+    assert server.http.post("/v1/completions", json=bad).status_code == 400
     m = server.wait_idle()
     for name in (
         "pagedspec:num_requests_waiting", "pagedspec:kv_cache_usage_perc",
@@ -314,7 +316,7 @@ def test_metrics_parse(server):
     assert m["pagedspec:time_to_first_token_seconds_count"] >= 2
     assert m["pagedspec:e2e_request_latency_seconds_count"] >= 2
     assert m["pagedspec:prefix_cache_queries_total"] >= m["pagedspec:prefix_cache_hits_total"]
-    assert m["pagedspec:request_rejected_total{status=400}"] >= 0
+    assert m["pagedspec:request_rejected_total{status=400}"] >= 1
 
 
 def test_sigterm_finishes_running_requests_then_exits(server):

@@ -48,6 +48,7 @@ def test_defaults_and_flags_build_the_configs():
         (["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
          "--num-speculative-tokens"),
         (["--max-queue", "-1"], "--max-queue"),
+        (["--max-queue", "0"], "--max-queue"),  # would answer every request 503
         (["--model", "/no/such/dir"], "--model"),
     ],
 )  # fmt: skip

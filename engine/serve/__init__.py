@@ -7,7 +7,8 @@ Command line (stable; the serving benchmark and the soak drive it)::
         [--<every EngineConfig field>] [--speculative-method ngram|draft|eagle ...]
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while serving, 503 once shutting down), ``GET /metrics`` (Prometheus).
+``GET /health`` (200 while serving, 503 once shutting down or the engine has stopped),
+``GET /metrics`` (Prometheus).
 
 Metrics (stable names; vLLM's ``vllm:`` ones under our ``pagedspec:`` prefix):
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``,

@@ -2,7 +2,8 @@
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in
 ``param``), 401 for a missing or wrong API key, 404 for an unknown model, 503 (with
-``Retry-After``) when the waiting queue is full or the server is shutting down.
+``Retry-After``) when the waiting queue is full, the server is shutting down or the engine has
+stopped; 500 (same body) when the engine failed under the request.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             return await unless_disconnected(request.receive, full())
         except ClientDisconnected:
             return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - the engine failed or stopped under this request
+            raise api_error(e) from None
         finally:
             group.close()
 

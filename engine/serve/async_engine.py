@@ -15,6 +15,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from engine.distributed.comm import WorkerError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
@@ -28,7 +29,7 @@ class QueueFullError(Exception):
 
 
 class EngineDeadError(Exception):
-    """The engine thread has stopped: a step failed for every request, or shutdown."""
+    """The engine thread has stopped: shutdown, or a tensor-parallel rank is gone."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class AsyncEngine:
         self._stats = engine.get_stats()  # replaced after every step, read by anyone
         self._pending_adds = 0  # posted but not applied; guarded by _wake
         self._stopping = False
+        self._stop_reason = "the server is shutting down"  # what refused requests are told
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # --- event-loop side ----------------------------------------------------------------------
@@ -79,7 +81,7 @@ class AsyncEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._wake:
             if not self.alive:
-                raise EngineDeadError("the server is shutting down")
+                raise EngineDeadError(self._stop_reason)
             if self._stats.num_waiting + self._pending_adds >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             self._pending_adds += 1
@@ -118,6 +120,13 @@ class AsyncEngine:
                 self._stats = engine.get_stats()
             try:
                 outputs = engine.step()
+            except WorkerError as error:  # the engine cannot step again: stop serving
+                logger.exception("tensor-parallel group lost; the server stops serving")
+                self._fail_all(error)
+                with self._wake:
+                    self._stopping = True
+                    self._stop_reason = f"the engine has stopped: {error}"
+                continue
             except Exception as error:  # noqa: BLE001 - a step that failed for every request
                 logger.exception("engine step failed; aborting every request")
                 self._fail_all(error)
@@ -147,7 +156,7 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 self._pending_adds -= 1
-                command.done.set_exception(EngineDeadError("the server is shutting down"))
+                command.done.set_exception(EngineDeadError(self._stop_reason))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         items = []

@@ -139,8 +139,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse and check everything before the model loads; ValueError names the bad flag."""
     parser, engine_options, spec_options = build_parser()
     args = parser.parse_args(argv)
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
+    if args.max_queue < 1:  # 0 would refuse every request (each waits until the next step)
+        raise ValueError(f"--max-queue must be an integer >= 1, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     spec = None

@@ -1,0 +1,43 @@
+"""The server's error paths in process (FastAPI's TestClient, a tiny model): what a client gets
+when the engine itself fails under its request."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build_tiny_llama
+from fastapi.testclient import TestClient
+
+from engine import EngineConfig, LLMEngine
+from engine.distributed.comm import WorkerError
+from engine.serve.app import create_app
+from engine.serve.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_llama(tmp_path_factory.mktemp("serve_errors_model"))
+
+
+def test_lost_worker_is_a_json_error_then_the_server_stops_serving(model_dir):
+    """A WorkerError (a tensor-parallel rank gone) fails the running request with OpenAI's JSON
+    error, not a bare 500; the engine cannot step again, so /health turns 503 and new requests
+    get 503, and no KV block stays held."""
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=32))
+
+    def lost(*args, **kwargs):
+        raise WorkerError("rank 1 died")
+
+    engine.runner.forward = lost
+    app = create_app(AsyncEngine(engine, max_queue=4), "tiny")
+    body = {"prompt": "The quick brown", "max_tokens": 4}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "InternalServerError"
+        assert "rank 1 died" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "rank 1 died" in r.json()["error"]["message"]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert not engine.has_unfinished_requests()
