@@ -122,10 +122,10 @@ class AsyncEngine:
                 outputs = engine.step()
             except WorkerError as error:  # the engine cannot step again: stop serving
                 logger.exception("tensor-parallel group lost; the server stops serving")
-                self._fail_all(error)
-                with self._wake:
+                with self._wake:  # before failing the requests: their clients may ask /health
                     self._stopping = True
                     self._stop_reason = f"the engine has stopped: {error}"
+                self._fail_all(error)
                 continue
             except Exception as error:  # noqa: BLE001 - a step that failed for every request
                 logger.exception("engine step failed; aborting every request")
