@@ -12,7 +12,14 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, swiglu
+from engine.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    swiglu,
+)
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 _STACKED = (
@@ -124,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
