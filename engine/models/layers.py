@@ -236,24 +236,25 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for arbitrary packed positions, computed on the fly (no max-length table).
 
     ``inv_freq`` stays float32 whatever the model dtype: build the model under a default dtype
-    rather than casting it with ``.to(dtype)``. It is computed on the CPU, also when the model
-    is built on the meta device (``engine.model_loader``), and moved with the module.
+    rather than casting it with ``.to(dtype)``. Built on the meta device (as
+    ``engine.model_loader`` does), it is computed on the CPU, to be moved with the module.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
         params = _rope_parameters(config)
         rope_type = params["rope_type"]
-        if rope_type == "default":
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
-            inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
-            scaling = 1.0
-        elif rope_type in SUPPORTED_ROPE_TYPES:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
-        else:
+        if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
             )
+        device = torch.get_default_device()
+        with torch.device("cpu" if device.type == "meta" else device):
+            if rope_type == "default":
+                exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+                inv_freq, scaling = 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = float(scaling)
 
