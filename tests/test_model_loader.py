@@ -16,6 +16,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import engine.default_model
 from engine.default_model import convert_gguf
+from engine.gguf_loader import iter_gguf
 from engine.model_loader import iter_safetensors, load_model, resolve_dtype
 from engine.models.layers import RMSNorm
 from kernels import cpu_extension
@@ -174,6 +175,11 @@ def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path):
     assert os.listdir(tmp_path / "cache") == ["tiny"]  # no temporary directory left behind
     converted, direct = load_cpu(target), load_cpu(tmp_path / "tiny.gguf")
     assert_same_weights(converted.model, direct.model)
+    written = load_file(target / "model.safetensors")  # safetensors' own reader takes the file
+    reader = gguf.GGUFReader(str(tmp_path / "tiny.gguf"))
+    expected = dict(iter_gguf(reader, direct.config))
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
     assert converted.tokenizer("abcab").input_ids == direct.tokenizer("abcab").input_ids
     assert converted.config.to_dict() == direct.config.to_dict() | {
         "_name_or_path": converted.config._name_or_path
@@ -187,7 +193,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.default_model, "save_file", killed)
+    monkeypatch.setattr(engine.default_model, "save_float32", killed)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "cache" / "tiny"))
     assert os.listdir(tmp_path / "cache") == []
