@@ -369,3 +369,22 @@ def test_model_loads_and_runs_under_inference_mode(tmp_path):
     got = run_schedule(model, SCHEDULE[:2])
     for seq in reference:
         torch.testing.assert_close(got[seq][1], reference[seq][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_only_fp32_cpu_linear_splits_rows_across_threads(dtype, gen, monkeypatch):
+    """A plain bf16 weight takes F.linear (oneDNN: 1.5x the row-split bmm at 1-2 rows on the dev
+    CPU); the split is for fp32, which MKL would run on one core. Both: F.linear's product."""
+    layer = Linear(576, 96, bias=False, dtype=dtype).requires_grad_(False)
+    splits = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: splits.append(1) or bmm(*a))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 576, generator=gen).to(dtype)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    finally:
+        torch.set_num_threads(saved)
+    assert len(splits) == (2 if dtype == torch.float32 else 0)

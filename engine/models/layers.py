@@ -32,10 +32,12 @@ class Linear(nn.Linear):
       2048, 2x MKL's sgemm, and at 1-2 rows as fast as the row-split GEMV below. A row's result
       does not depend on how many rows share the call. The pack is the only copy of the
       weight: see ``pack_weight`` for what ``weight`` then holds.
-    - Plain weight (no pack: bf16/fp16, CUDA, a weight that needs gradients, no extension): 1-2
-      rows view the weight's rows as P blocks (P: the largest divisor of out_features up to the
-      thread count) and call ``bmm``, giving each block its own thread (MKL runs such a product
-      on one core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
+    - Plain float32 CPU weight (no extension, or a weight that needs gradients): 1-2 rows view
+      the weight's rows as P blocks (P: the largest divisor of out_features up to the thread
+      count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
+      core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
+    - Any other weight (bf16/fp16, CUDA): F.linear. (For bf16 at 1-2 rows oneDNN's F.linear
+      is 1.5x the row-split ``bmm``, which ATen runs at a third of the bandwidth.)
 
     All compute the same product up to float summation order (``python -m benchmarks.linear``
     measures them against ``F.linear``).
@@ -106,7 +108,7 @@ class Linear(nn.Linear):
                 return out.view(*x.shape[:-1], self.out_features)
             # autograd through x or the bias, or another dtype: the plain product, unpacked
             return F.linear(x, unpacked(packed, self.out_features), self.bias)
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         parts = self._blocks() if rows <= _GEMV_MAX_ROWS else 1
