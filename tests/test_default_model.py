@@ -73,7 +73,7 @@ def test_gguf_and_cache_loads_give_identical_weights(ours, hf_model):
     # ...and they are HF's own reading of the GGUF (q/k rows un-permuted the same way).
     layer, hf_layer = ours.model.model.layers[7].self_attn, hf_model.model.layers[7].self_attn
     qkv = torch.cat([hf_layer.q_proj.weight, hf_layer.k_proj.weight, hf_layer.v_proj.weight])
-    assert torch.equal(layer.qkv_proj.weight, qkv)
+    assert torch.equal(layer.qkv_proj.state_dict()["weight"], qkv)
 
 
 @pytest.mark.slow

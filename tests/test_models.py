@@ -15,7 +15,7 @@ from transformers import (
 
 from engine.model_loader import load_model, model_kv_shape
 from engine.models import LlamaForCausalLM, get_model_class
-from engine.models.layers import Linear
+from engine.models.layers import Embedding, Linear
 from kernels import cpu_extension
 
 VOCAB = 256
@@ -166,12 +166,11 @@ def test_fused_projections_stack_hf_weights(tmp_path):
     hf_attn, hf_mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     attn, mlp = ours.model.layers[1].self_attn, ours.model.layers[1].mlp
     qkv = [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj]
-    assert torch.equal(attn.qkv_proj.weight, torch.cat([m.weight for m in qkv]))
+    assert torch.equal(attn.qkv_proj.state_dict()["weight"], torch.cat([m.weight for m in qkv]))
     assert torch.equal(attn.qkv_proj.bias, torch.cat([m.bias for m in qkv]))
     assert attn.o_proj.bias is None
-    assert torch.equal(
-        mlp.gate_up_proj.weight, torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight])
-    )
+    gate_up = torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight])
+    assert torch.equal(mlp.gate_up_proj.state_dict()["weight"], gate_up)
 
 
 def test_tied_head_shares_embedding(tmp_path):
@@ -216,11 +215,14 @@ def test_unsupported_configs_raise():
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied-llama3-rope"])
 def test_model_is_built_on_the_context_device(name):
-    # load_model builds under torch.device(device): nothing may land on the CPU regardless.
+    # Built on the meta device (as load_model does), parameters stay there and nothing is
+    # initialised; only the rope frequencies are computed, on the CPU, for load_model to move.
     with torch.device("meta"):
         model = LlamaForCausalLM(CONFIGS[name]())
-    tensors = [*model.parameters(), *model.buffers()]
-    assert {t.device.type for t in tensors} == {"meta"}
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert torch.equal(
+        model.model.rotary_emb.inv_freq, LlamaForCausalLM(CONFIGS[name]()).model.rotary_emb.inv_freq
+    )
 
 
 needs_extension = pytest.mark.skipif(
@@ -233,11 +235,13 @@ needs_extension = pytest.mark.skipif(
 @pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_extension)])
 @pytest.mark.parametrize("out_features", [36, 35])  # 35: no row split with 2 or 4 threads
 def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack, out_features, gen):
-    """1-2 rows take the row-split bmm, 3+ rows the C++ kernel (after prepack) or F.linear: all must
-    give F.linear's product, laid out contiguously, for any row and thread count."""
+    """A plain weight: 1-2 rows take the row-split bmm, 3+ F.linear; a packed one: the C++ kernel
+    at every row count. All must give F.linear's product, laid out contiguously, for any row
+    and thread count."""
     layer = Linear(48, out_features, bias=bias)
+    plain = layer.weight.detach().clone()
     if prepack:
-        layer.prepack()
+        layer.requires_grad_(False).prepack()
         assert layer.packed is not None
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -247,7 +251,7 @@ def test_cpu_linear_fast_paths_equal_linear(threads, bias, prepack, out_features
                 x = torch.randn(shape, generator=gen)
                 got = layer(x)
                 assert got.shape == (*shape[:-1], out_features) and got.is_contiguous()
-                torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+                torch.testing.assert_close(got, F.linear(x, plain, layer.bias))
     finally:
         torch.set_num_threads(saved)
 
@@ -260,28 +264,59 @@ def test_packed_linear_row_does_not_depend_on_how_many_rows_share_the_call(gen):
     layer.prepack()
     x = torch.randn(300, 70, generator=gen)
     full = layer(x)
-    for rows in (3, 8, 13, 257):
+    for rows in (1, 2, 3, 8, 13, 257):
         assert torch.equal(layer(x[:rows]), full[:rows])
     assert torch.equal(layer(x[290:])[-3:], full[-3:])
 
 
 @needs_extension
-def test_packed_weight_is_only_used_while_it_is_current(gen):
-    layer = Linear(32, 16, bias=False).requires_grad_(False)
+@pytest.mark.parametrize("out_features", [32, 35])  # 32: packed in place; 35: a padded panel
+def test_packed_linear_keeps_one_copy_and_retires_the_pack_when_the_weight_changes(
+    out_features, gen
+):
+    layer = Linear(24, out_features, bias=False).requires_grad_(False)
+    plain, memory = layer.weight.detach().clone(), layer.weight.data_ptr()
     layer.prepack()
-    x = torch.randn(5, 32, generator=gen)
+    x = torch.randn(5, 24, generator=gen)
     assert layer._pack_is_current()
-    layer.weight.mul_(2)  # in place: the packed copy is now stale
-    assert not layer._pack_is_current()
+    assert (layer.packed.data_ptr() == memory) == (out_features == 32)  # whole panels: in place
+    # the plain data is gone: a 4-byte NaN placeholder of the right shape, dtype and device
+    weight = layer.weight
+    assert weight.shape == (out_features, 24) and weight.untyped_storage().nbytes() == 4
+    assert weight.isnan().all()
+    with pytest.raises(RuntimeError):
+        weight.mul_(2)  # nothing can be written into it (load_state_dict neither)
+    torch.testing.assert_close(layer(x), F.linear(x, plain))
+    assert torch.equal(layer.state_dict()["weight"], plain)
+    layer.weight = torch.nn.Parameter(torch.randn(out_features, 24, generator=gen))
+    assert not layer._pack_is_current() and layer.packed is None
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-    layer.weight = torch.nn.Parameter(torch.randn(16, 32, generator=gen), requires_grad=False)
-    assert not layer._pack_is_current()
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    layer.requires_grad_(False).prepack()
+    assert layer._pack_is_current()
+    layer.weight.data = plain.clone()  # new data: the pack is retired
+    assert layer.packed is None
+    torch.testing.assert_close(layer(x), F.linear(x, plain))
     layer.prepack()
-    assert layer._pack_is_current()
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-    layer.double()  # moved or cast: the pack is dropped
-    assert layer.packed is None and not layer._pack_is_current()
+    layer.double()  # moved or cast: unpacked first
+    assert layer.packed is None and torch.equal(layer.weight, plain.double())
+
+
+@needs_extension
+def test_tied_embedding_reads_rows_from_the_head_pack(gen):
+    embed = Embedding(35, 24)  # 35 rows: the pack has a padded panel
+    head = Linear(24, 35, bias=False)
+    head.weight = embed.weight
+    plain = embed.weight.detach().clone()
+    head.requires_grad_(False).prepack()
+    assert embed.weight.untyped_storage().nbytes() == 4  # one copy: the head's pack
+    ids = torch.tensor([[0, 34, 17], [16, 15, 33]])
+    assert torch.equal(embed(ids), F.embedding(ids, plain))
+    for bad in (35, 40, -1):  # 35..47 would be the pack's zero padding, -1 its last row
+        with pytest.raises(IndexError, match="35"):
+            embed(torch.tensor([bad]))
+    assert torch.equal(embed.state_dict()["weight"], plain)
+    embed.double()  # unpacks the shared weight: the head's pack goes with it
+    assert head.packed is None and torch.equal(head.weight, plain.double())
 
 
 @needs_extension
@@ -299,12 +334,13 @@ def test_packed_linear_keeps_the_gradient_of_a_trainable_input_or_bias(trainable
     """A frozen, packed weight: the product must still carry the gradient of x or of the bias
     (the C++ kernel has none, so F.linear runs)."""
     layer = Linear(32, 16).requires_grad_(False)
+    plain = layer.weight.detach().clone()
     layer.prepack()
     x = torch.randn(5, 32, generator=gen, requires_grad=trainable == "input")
     layer.bias.requires_grad_(trainable == "bias")
     layer(x).sum().backward()
     if trainable == "input":
-        torch.testing.assert_close(x.grad, torch.ones(5, 16) @ layer.weight)
+        torch.testing.assert_close(x.grad, torch.ones(5, 16) @ plain)
     else:
         torch.testing.assert_close(layer.bias.grad, torch.full((16,), 5.0))
 
@@ -315,6 +351,11 @@ def test_loaded_cpu_model_is_prepacked(tmp_path):
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m._pack_is_current() for m in linears)
+    # one copy of the weights: the packs (a few padding columns) and the unpacked rest
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    packs = sum(m.packed.untyped_storage().nbytes() for m in linears)
+    plain = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert weight_bytes <= packs + plain <= 1.05 * weight_bytes
     bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
     assert all(m.packed is None for m in bf16.modules() if isinstance(m, Linear))
 
@@ -328,3 +369,22 @@ def test_model_loads_and_runs_under_inference_mode(tmp_path):
     got = run_schedule(model, SCHEDULE[:2])
     for seq in reference:
         torch.testing.assert_close(got[seq][1], reference[seq][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_only_fp32_cpu_linear_splits_rows_across_threads(dtype, gen, monkeypatch):
+    """A plain bf16 weight takes F.linear (oneDNN: 1.5x the row-split bmm at 1-2 rows on the dev
+    CPU); the split is for fp32, which MKL would run on one core. Both: F.linear's product."""
+    layer = Linear(576, 96, bias=False, dtype=dtype).requires_grad_(False)
+    splits = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: splits.append(1) or bmm(*a))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 576, generator=gen).to(dtype)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    finally:
+        torch.set_num_threads(saved)
+    assert len(splits) == (2 if dtype == torch.float32 else 0)

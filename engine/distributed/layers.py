@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from engine.distributed.comm import collective
 from engine.distributed.shard import TPShard
-from engine.models.layers import Linear
+from engine.models.layers import Embedding, Linear
 
 
 class RowParallelLinear(Linear):
@@ -36,8 +34,9 @@ class RowParallelLinear(Linear):
         return out
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    """The embedding rows of this rank's vocabulary slice (padded vocabulary / size rows)."""
+class VocabParallelEmbedding(Embedding):
+    """The embedding rows of this rank's vocabulary slice (padded vocabulary / size rows); like
+    ``Embedding`` it reads a tied LM head's pack."""
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: TPShard) -> None:
         self.vocab_start, rows = shard.part(shard.padded_vocab(vocab_size))
@@ -47,7 +46,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings)
-        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        out = super().forward(local.masked_fill(~mine, 0))
         out.masked_fill_(~mine[:, None], 0.0)
         collective(dist.all_reduce, out, group=self.group)
         return out

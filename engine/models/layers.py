@@ -19,26 +19,28 @@ from kernels import cpu_extension
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Up to this many rows a CPU Linear runs as a row-split batched GEMV (see Linear).
+# Up to this many rows a CPU Linear with a plain weight runs as a row-split batched GEMV.
 _GEMV_MAX_ROWS = 2
 
 
 class Linear(nn.Linear):
-    """nn.Linear with two CPU fast paths, chosen by the number of rows (tokens) in the product.
+    """nn.Linear whose CPU float32 weight is packed once for the C++ GEMM, keeping no plain copy.
 
-    - 1-2 rows (decode at batch 1-2): MKL runs such a product on one core however many there
-      are; on the 2-core dev CPU it streams weights from DRAM at ~10 GB/s, where a plain read
-      reaches ~28 GB/s. Viewing the weight's rows as P blocks (P: the largest divisor of
-      out_features up to the thread count) and calling ``bmm`` gives each block its own thread:
-      2-4x faster. With P = 1 (one thread, or no divisor) these rows take the next path.
-    - 3+ rows (verification spans, batched decode, prefill): the C++ kernel of
-      kernels/csrc/cpu_linear.cpp with the weight packed into its panel layout once
-      (``prepack``): on SmolLM2-135M's shapes 1.15-1.3x oneDNN's packed GEMM from 16 to 64 rows,
-      level with it at 2048, 2x MKL's sgemm. A row's result does not depend on how many rows
-      share the call. Float32 inference only; it keeps a second copy of the weight.
+    - Packed (``prepack``; CPU, float32, no gradient, the extension builds): every product runs
+      the C++ kernel of kernels/csrc/cpu_linear.cpp on the weight in its panel layout: on
+      SmolLM2-135M's shapes 1.15-1.3x oneDNN's packed GEMM from 16 to 64 rows, level with it at
+      2048, 2x MKL's sgemm, and at 1-2 rows as fast as the row-split GEMV below. A row's result
+      does not depend on how many rows share the call. The pack is the only copy of the
+      weight: see ``pack_weight`` for what ``weight`` then holds.
+    - Plain float32 CPU weight (no extension, or a weight that needs gradients): 1-2 rows view
+      the weight's rows as P blocks (P: the largest divisor of out_features up to the thread
+      count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
+      core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
+    - Any other weight (bf16/fp16, CUDA): F.linear. (For bf16 at 1-2 rows oneDNN's F.linear
+      is 1.5x the row-split ``bmm``, which ATen runs at a third of the bandwidth.)
 
-    Both compute the same product up to float summation order (``python -m benchmarks.linear``
-    measures them against ``F.linear``). Without a valid pack (or on CUDA) F.linear runs.
+    All compute the same product up to float summation order (``python -m benchmarks.linear``
+    measures them against ``F.linear``).
     """
 
     def __init__(
@@ -50,36 +52,43 @@ class Linear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.packed: torch.Tensor | None = None  # packed copy of ``weight``, from prepack()
-        # What the pack was made from: the weight Parameter, its storage and its version.
-        self._packed_from: tuple[torch.Tensor, int, int | None] | None = None
         self._row_blocks: tuple[int, int] = (0, 1)  # (thread count, P) last computed
 
+    def reset_parameters(self) -> None:
+        # On the meta device (engine.model_loader builds there) there is nothing to initialise,
+        # and initialising there would import torch._dynamo (~100 MB resident).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The packed weight the C++ kernel reads, None while the weight is plain."""
+        return packed_weight(self.weight)
+
     def prepack(self) -> None:
-        """Pack the current weight for the C++ kernel (CPU float32 weights where the extension
-        builds; a no-op otherwise). Call after loading weights. Replacing the weight, moving or
-        casting the module, or an in-place change that bumps the weight's version retires the
-        pack; a write through ``weight.data`` or under inference mode does not: call prepack()
-        again."""
+        """Pack the weight for the C++ kernel and drop its plain data (CPU float32 weights that
+        need no gradient, where the extension builds; a no-op otherwise). Call after loading
+        weights; ``unpack`` undoes it, and so does moving or casting the module."""
         weight = self.weight
-        self.packed = self._packed_from = None
-        if _fused_cpu(weight.detach()):
-            self.packed = cpu_extension.load().pack_linear_weight(weight.detach())
-            self._packed_from = (weight, weight.data_ptr(), _version(weight))
+        if packed_weight(weight) is None and not weight.requires_grad and _fused_cpu(weight):
+            pack_weight(weight)
+
+    def unpack(self) -> None:
+        """Give the weight its plain data back (a no-op for a plain weight)."""
+        unpack_weight(self.weight)
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...
-        self.packed = self._packed_from = None
+        self.unpack()
         return super()._apply(fn, recurse)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _save_plain(self.weight, destination, prefix + "weight")
+
     def _pack_is_current(self) -> bool:
-        if self._packed_from is None:
-            return False
-        weight, (source, ptr, version) = self.weight, self._packed_from
-        return (
-            weight is source  # compared by identity: == on tensors is elementwise
-            and weight.data_ptr() == ptr
-            and _version(weight) == version
-            and not (weight.requires_grad and torch.is_grad_enabled())  # the kernel: no autograd
+        """Whether the C++ kernel may run: a pack, and no gradient wanted for the weight."""
+        return self.packed is not None and not (
+            self.weight.requires_grad and torch.is_grad_enabled()
         )
 
     def _blocks(self) -> int:
@@ -90,7 +99,16 @@ class Linear(nn.Linear):
         return self._row_blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        packed = self.packed
+        if packed is not None:
+            extra = () if self.bias is None else (self.bias,)
+            if self._pack_is_current() and _fused_cpu(x, *extra):  # the kernel: no autograd
+                flat = x.reshape(-1, self.in_features)
+                out = cpu_extension.load().linear(flat, packed, self.bias, self.out_features)
+                return out.view(*x.shape[:-1], self.out_features)
+            # autograd through x or the bias, or another dtype: the plain product, unpacked
+            return F.linear(x, unpacked(packed, self.out_features), self.bias)
+        if x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         parts = self._blocks() if rows <= _GEMV_MAX_ROWS else 1
@@ -100,12 +118,80 @@ class Linear(nn.Linear):
             out = torch.bmm(blocks, flat.t().expand(parts, -1, -1))  # [P, out / P, rows]
             out = out.permute(2, 0, 1).contiguous().view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
-        extra = () if self.bias is None else (self.bias,)
-        if self._pack_is_current() and _fused_cpu(x, *extra):  # no autograd through the kernel
-            flat = x.reshape(rows, self.in_features)
-            out = cpu_extension.load().linear(flat, self.packed, self.bias, self.out_features)
-            return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding that also looks rows up in a packed weight: a tied LM head's ``prepack``
+    packs the shared Parameter, and the table then has no plain copy (for SmolLM2-135M that
+    saves 113 MB, a fifth of its weights). Row n's k-th value sits at [n // V, k, n % V] of the
+    pack, so a token's row is ``embedding_dim`` strided reads, one cache line each (36 KB at
+    SmolLM2's width; a decode step of 32 tokens reads 1 MB of the 513 MB a step streams)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # as Linear.reset_parameters
+            super().reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        packed = packed_weight(self.weight)
+        if packed is None:
+            return super().forward(input_ids)
+        ids = input_ids.reshape(-1)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        width = packed.shape[-1]
+        return packed[ids // width, :, ids % width].view(*input_ids.shape, self.embedding_dim)
+
+    def _apply(self, fn, recurse: bool = True):
+        unpack_weight(self.weight)
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _save_plain(self.weight, destination, prefix + "weight")
+
+
+def pack_weight(weight: nn.Parameter) -> None:
+    """Replace a float32 CPU weight [N, K]'s data by its pack for the C++ GEMM, in place.
+
+    The pack takes over the weight's memory where its rows fill whole panels (out_features a
+    multiple of the SIMD width), so packing needs no second copy of it even for a moment; any
+    other view of that memory then sees the packed layout. The Parameter object stays (ties,
+    ``named_parameters``, shape/dtype/device queries keep working) but its data becomes a
+    placeholder: one NaN broadcast to [N, K], 4 bytes.
+    Reading it gives NaN, writing into it raises. The pack is kept on the Parameter (``pack``:
+    the pack and the placeholder's address) and counts only while the placeholder is the
+    Parameter's data (``weight.data = ...`` or a new Parameter retires it).
+    """
+    pack = cpu_extension.load().pack_linear_weight_(weight.detach())
+    weight.data = torch.full((1, 1), float("nan")).expand(weight.shape)
+    weight.pack = (pack, weight.data_ptr())
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The pack standing in for ``weight``'s data, or None while the weight is plain."""
+    pack, placeholder = getattr(weight, "pack", (None, None))
+    return pack if pack is not None and weight.data_ptr() == placeholder else None
+
+
+def unpack_weight(weight: torch.Tensor) -> None:
+    """Undo ``pack_weight``: the plain data back in the Parameter, the pack dropped."""
+    pack = packed_weight(weight)
+    if pack is not None:
+        weight.data = unpacked(pack, weight.shape[0])
+    weight.__dict__.pop("pack", None)
+
+
+def unpacked(pack: torch.Tensor, rows: int) -> torch.Tensor:
+    """The plain [rows, K] weight of a pack [ceil(rows / V), K, V] (a new tensor)."""
+    return pack.transpose(1, 2).reshape(-1, pack.shape[1])[:rows]
+
+
+def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
+    """state_dict() holds the plain weight, not the placeholder."""
+    pack = packed_weight(weight)
+    if pack is not None and key in destination:
+        destination[key] = unpacked(pack, weight.shape[0])
 
 
 def _fused_cpu(*tensors: torch.Tensor) -> bool:
@@ -152,23 +238,25 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for arbitrary packed positions, computed on the fly (no max-length table).
 
     ``inv_freq`` stays float32 whatever the model dtype: build the model under a default dtype
-    rather than casting it with ``.to(dtype)``.
+    rather than casting it with ``.to(dtype)``. Built on the meta device (as
+    ``engine.model_loader`` does), it is computed on the CPU, to be moved with the module.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
         params = _rope_parameters(config)
         rope_type = params["rope_type"]
-        if rope_type == "default":
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-            inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
-            scaling = 1.0
-        elif rope_type in SUPPORTED_ROPE_TYPES:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
-        else:
+        if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
             )
+        device = torch.get_default_device()
+        with torch.device("cpu" if device.type == "meta" else device):
+            if rope_type == "default":
+                exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+                inv_freq, scaling = 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = float(scaling)
 
@@ -190,14 +278,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up_proj(x) ([gate | up] fused projection): one C++ call that never
-    writes the 2I-wide product when the projection takes its packed path without a bias and I
-    is a multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
+    writes the 2I-wide product when the projection is packed, without a bias, and I is a
+    multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
     rows = x.numel() // gate_up_proj.in_features
     inter = gate_up_proj.out_features // 2
     packed = gate_up_proj.packed
     if (
-        rows > _GEMV_MAX_ROWS
-        and gate_up_proj.bias is None
+        gate_up_proj.bias is None
         and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
         and inter % packed.shape[-1] == 0
         and _fused_cpu(x)

@@ -17,7 +17,14 @@ from transformers import PretrainedConfig
 from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
 from engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, swiglu
+from engine.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    swiglu,
+)
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 STACKED = (
@@ -138,7 +145,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
         if shard.size == 1:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         self.layers = nn.ModuleList(

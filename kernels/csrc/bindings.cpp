@@ -8,6 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "Scatter key/value into the paged caches", no_gil);
   m.def("pack_linear_weight", &pack_linear_weight, "Pack a float32 [N, K] weight for linear",
         no_gil);
+  m.def("pack_linear_weight_", &pack_linear_weight_,
+        "pack_linear_weight in the weight's own memory where its rows fill whole panels", no_gil);
   m.def("linear", &linear, "x @ W^T + b with a packed weight (float32)", no_gil);
   m.def("linear_silu_mul", &linear_silu_mul, "silu(gate) * up of x @ gate_up^T, packed (float32)",
         no_gil);

@@ -33,6 +33,11 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 // A float32 weight [N, K] packed for linear: [ceil(N / V)][K][V], V the SIMD width in floats.
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
+// pack_linear_weight's pack in weight's own memory when its rows fill whole panels (N a
+// multiple of V, contiguous): weight then holds the pack and the result is a view of it.
+// Otherwise a new tensor, as pack_linear_weight.
+at::Tensor pack_linear_weight_(at::Tensor& weight);
+
 // x [M, K] @ weight^T + bias for weight packed by pack_linear_weight; returns [M, out_features].
 // out_features must be the weight's row count: the pack pads it to a whole panel.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,

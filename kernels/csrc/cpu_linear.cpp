@@ -16,6 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -140,6 +141,27 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
     }
   });
   return packed;
+}
+
+at::Tensor pack_linear_weight_(at::Tensor& weight) {
+  if (weight.dim() != 2 || weight.size(0) % V != 0 || !weight.is_contiguous() ||
+      weight.scalar_type() != at::kFloat || !weight.device().is_cpu()) {
+    return pack_linear_weight(weight);  // (which rejects what no pack takes)
+  }
+  const int64_t N = weight.size(0), K = weight.size(1);
+  // Panel p is rows [p * V, (p + 1) * V): the same V * K floats, transposed in place.
+  float* w = weight.data_ptr<float>();
+  at::parallel_for(0, N / V, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(V * K);
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = w + p * V * K;
+      std::copy(panel, panel + V * K, rows.begin());
+      for (int64_t c = 0; c < V; ++c) {
+        for (int64_t k = 0; k < K; ++k) panel[k * V + c] = rows[c * K + k];
+      }
+    }
+  });
+  return weight.view({N / V, K, V});
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
