@@ -110,6 +110,7 @@ def test_cuda_path_on_meta(stubs, shape):
     config = AutoConfig.from_pretrained(CONFIGS / f"{shape}.json")
     with default_dtype(dtype), META:
         model = get_model_class(config)(config).eval()
+    model.to(META)  # buffers computed on the CPU (rope's), moved as load_model moves them
     layers, kv_heads, head_dim = model_kv_shape(config)
     caches = allocate_kv_caches(layers, kv_heads, head_dim, NUM_BLOCKS, BLOCK_SIZE, dtype, META)
     runner = ModelRunner(model, caches, "triton", META)
