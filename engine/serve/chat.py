@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.llm import render_chat
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serve.logprobs import chat_logprobs
 from engine.serve.protocol import (
@@ -21,15 +22,13 @@ from engine.serve.protocol import (
 )
 from engine.serve.request_group import RequestGroup
 from engine.serve.serving import (
-    DONE,
     APIError,
     Delta,
     Deltas,
-    api_error,
     check_finished,
     sampling_params,
     sse,
-    sse_error,
+    sse_stream,
     usage,
 )
 
@@ -77,43 +76,28 @@ class Chat:
             usage=usage({out.request_id: out}),
         )
 
-    async def stream(self, group: RequestGroup, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    def stream(self, group: RequestGroup, req: ChatCompletionRequest) -> AsyncIterator[str]:
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         exclude = None if req.include_usage else {"usage"}
-        deltas, last = Deltas(), {}
+        deltas = Deltas()
 
-        def chunk(choices: list[ChatChunkChoice]) -> str:
-            response = ChatCompletionChunk(
-                id=response_id, created=created, model=self.model_name, choices=choices
+        def response(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=response_id, created=created, model=self.model_name, choices=choices, **extra
             )
-            return sse(response, exclude)
 
-        try:
-            async for out in group.outputs():
-                check_finished([out])
-                last[out.request_id] = out
-                for c in out.outputs:
-                    d = deltas.next(out.request_id, c)
-                    if d is None:
-                        continue
-                    if d.first:  # OpenAI's first chunk of a choice carries the role
-                        role = {"role": "assistant", "content": ""}
-                        yield chunk([ChatChunkChoice(index=c.index, delta=role)])
-                    yield chunk([self._delta_choice(req, c.index, d)])
-        except Exception as e:  # noqa: BLE001 - the stream's last event says what failed
-            yield sse_error(api_error(e))
-            yield DONE
-            return
-        if req.include_usage:
-            response = ChatCompletionChunk(
-                id=response_id,
-                created=created,
-                model=self.model_name,
-                choices=[],
-                usage=usage(last),
-            )
-            yield sse(response)
-        yield DONE
+        def events(out: RequestOutput) -> Iterator[str]:
+            for c in out.outputs:
+                d = deltas.next(out.request_id, c)
+                if d is None:
+                    continue
+                if d.first:  # OpenAI's first chunk of a choice carries the role
+                    role = {"role": "assistant", "content": ""}
+                    yield sse(response([ChatChunkChoice(index=c.index, delta=role)]), exclude)
+                yield sse(response([self._delta_choice(req, c.index, d)]), exclude)
+
+        with_usage = (lambda u: response([], usage=u)) if req.include_usage else None
+        return sse_stream(group.outputs(), events, with_usage)
 
     def _delta_choice(self, req: ChatCompletionRequest, index: int, d: Delta) -> ChatChunkChoice:
         return ChatChunkChoice(

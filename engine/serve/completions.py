@@ -7,24 +7,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 from engine.serve.logprobs import completion_logprobs
 from engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from engine.serve.request_group import RequestGroup
 from engine.serve.serving import (
-    DONE,
     APIError,
     Delta,
     Deltas,
-    api_error,
     check_finished,
     sampling_params,
     sse,
-    sse_error,
+    sse_stream,
     usage,
 )
 
@@ -69,41 +68,30 @@ class Completions:
             usage=usage({out.request_id: out for out in outputs}),
         )
 
-    async def stream(
+    def stream(
         self, group: RequestGroup, req: CompletionRequest, params: SamplingParams
     ) -> AsyncIterator[str]:
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         exclude = None if req.include_usage else {"usage"}
-        deltas, last = Deltas(), {}
-        try:
-            async for out in group.outputs():
-                check_finished([out])
-                last[out.request_id] = out
-                base = group.request_ids.index(out.request_id) * params.n
-                choices = [
-                    self._delta_choice(base + c.index, d)
-                    for c in out.outputs
-                    if (d := deltas.next(out.request_id, c)) is not None
-                ]
-                if choices:
-                    chunk = CompletionResponse(
-                        id=response_id, created=created, model=self.model_name, choices=choices
-                    )
-                    yield sse(chunk, exclude)
-        except Exception as e:  # noqa: BLE001 - the stream's last event says what failed
-            yield sse_error(api_error(e))
-            yield DONE
-            return
-        if req.include_usage:
-            chunk = CompletionResponse(
-                id=response_id,
-                created=created,
-                model=self.model_name,
-                choices=[],
-                usage=usage(last),
+        deltas = Deltas()
+
+        def response(choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
+            return CompletionResponse(
+                id=response_id, created=created, model=self.model_name, choices=choices, **extra
             )
-            yield sse(chunk)
-        yield DONE
+
+        def events(out: RequestOutput) -> Iterator[str]:
+            base = group.request_ids.index(out.request_id) * params.n
+            choices = [
+                self._delta_choice(base + c.index, d)
+                for c in out.outputs
+                if (d := deltas.next(out.request_id, c)) is not None
+            ]
+            if choices:
+                yield sse(response(choices), exclude)
+
+        with_usage = (lambda u: response([], usage=u)) if req.include_usage else None
+        return sse_stream(group.outputs(), events, with_usage)
 
     def _delta_choice(self, index: int, d: Delta) -> CompletionChoice:
         return self._choice(index, d.text, d.token_ids, d.logprobs, d.text_offset, d.finish_reason)

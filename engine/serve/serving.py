@@ -4,6 +4,7 @@ deltas, usage, server-sent events and the errors a handler raises."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,3 +121,27 @@ def sse(chunk: BaseModel, exclude: set[str] | None = None) -> str:
 
 def sse_error(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
+
+
+async def sse_stream(
+    outputs: AsyncIterator[RequestOutput],
+    events: Callable[[RequestOutput], Iterable[str]],
+    usage_chunk: Callable[[Usage], BaseModel] | None,
+) -> AsyncIterator[str]:
+    """A streamed response: ``events(out)`` for each engine output, then the chunk
+    ``usage_chunk`` makes of the final usage (None: no usage chunk), then ``[DONE]``. A failure
+    ends the stream with its error event and ``[DONE]``."""
+    last: dict[str, RequestOutput] = {}
+    try:
+        async for out in outputs:
+            check_finished([out])
+            last[out.request_id] = out
+            for event in events(out):
+                yield event
+    except Exception as e:  # noqa: BLE001 - the stream's last event says what failed
+        yield sse_error(api_error(e))
+        yield DONE
+        return
+    if usage_chunk is not None:
+        yield sse(usage_chunk(usage(last)))
+    yield DONE
