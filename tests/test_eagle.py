@@ -31,23 +31,30 @@ def eagle(head: str, k: int = 3) -> dict:
             "max_draft_skip": 0}  # fmt: skip
 
 
-def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
-    """k = 1: each draft is argmax lm_head(h_C), h_C from (token_C, feature_{C-1}) over the whole
-    context; recomputed here from HF's features and the training module's head."""
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_num_batched_tokens=16,
-              speculative_config=eagle(head, k=1))  # fmt: skip
+def drafted(llm: LLM, min_drafts: int) -> list[tuple[list[int], list[int]]]:
+    """(the sequence's tokens, its drafts) of every proposal of at least ``min_drafts`` drafts
+    while ``llm`` answers two prompts greedily."""
     proposer = llm.llm_engine.spec.proposer
     propose, seen = proposer.propose, []
 
     def recording(scheduled, ks, params):
         proposal = propose(scheduled, ks, params)
         for s, d in zip(scheduled, proposal.drafts, strict=True):
-            if d:
-                seen.append((list(s.seq.token_ids), d[0]))
+            if len(d) >= min_drafts:
+                seen.append((list(s.seq.token_ids), list(d)))
         return proposal
 
     proposer.propose = recording
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    return seen
+
+
+def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
+    """k = 1: each draft is argmax lm_head(h_C), h_C from (token_C, feature_{C-1}) over the whole
+    context; recomputed here from HF's features and the training module's head."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_num_batched_tokens=16,
+              speculative_config=eagle(head, k=1))  # fmt: skip
+    seen = [(tokens, drafts[0]) for tokens, drafts in drafted(llm, min_drafts=1)]
     assert len(seen) > 10
     hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     reference = ReferenceHead.from_dir(head)
@@ -66,18 +73,7 @@ def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
     C + j - 1, attending to the context's KV (from the target's features) and the chain's own;
     recomputed here by running the training module's head over the growing sequence."""
     llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=eagle(head, k=3))
-    proposer = llm.llm_engine.spec.proposer
-    propose, seen = proposer.propose, []
-
-    def recording(scheduled, ks, params):
-        proposal = propose(scheduled, ks, params)
-        for s, d in zip(scheduled, proposal.drafts, strict=True):
-            if len(d) > 1:
-                seen.append((list(s.seq.token_ids), list(d)))
-        return proposal
-
-    proposer.propose = recording
-    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    seen = drafted(llm, min_drafts=2)
     assert len(seen) > 5
     hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     reference = ReferenceHead.from_dir(head)
