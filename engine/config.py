@@ -7,6 +7,8 @@ from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
+# None: weights as loaded. "int8": weight-only GGUF Q8_0 (engine.models.quant), CPU float32.
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class EngineConfig:
     # Ranks the model is split over (engine.distributed): rank 0 is this process, the others
     # are spawned here, or join from other machines when WORLD_SIZE is set in the environment.
     tensor_parallel_size: int = 1
+    # Weight-only quantisation of every Linear (QUANTIZATIONS): "int8" quantises each weight
+    # at load to GGUF Q8_0 (a Q8_0 GGUF file's tensors keep their shipped values bit for bit).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -102,6 +107,10 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
         )

@@ -18,7 +18,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from engine.llm import LLM, render_chat
 from engine.model_loader import resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
@@ -45,7 +51,7 @@ ENGINE_OPTIONS = {
     for name in (
         "model", "dtype", "device", "load_format", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "num_kv_blocks", "block_size", "attention_backend", "seed",
-        "tensor_parallel_size",
+        "tensor_parallel_size", "quantization",
     )
 }  # fmt: skip
 
@@ -79,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        help="weight-only quantisation (int8: GGUF Q8_0, CPU float32; default: none)",
+    )
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"
     )

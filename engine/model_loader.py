@@ -22,6 +22,7 @@ from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
 from engine.models.layers import Linear, RMSNorm
 from engine.models.llama import STACKED, head_dim_of
+from kernels import cpu_extension
 
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +92,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     shard: TPShard = NO_TP,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build the model on ``device`` in ``dtype`` and load its weights (or random ones: "dummy").
 
@@ -98,12 +100,15 @@ def load_model(
     load_format="dummy", a config.json or a directory holding only one. With a ``shard`` of
     size > 1 only this rank's slice of every weight is kept (read lazily from safetensors;
     GGUF tensors are dequantized whole, then sliced; dummy weights equal the single-device
-    ones' slices).
+    ones' slices). ``quantization="int8"`` quantises every Linear's weight (LM head included; a
+    tied embedding reads the head's) to GGUF Q8_0 once it is loaded (CPU, float32 only).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if quantization is not None:
+        check_quantization(quantization, dtype, device)
     path = _resolve_path(model)
     dummy = load_format == "dummy"
     if path.endswith(".gguf") and os.path.isfile(path):
@@ -130,10 +135,24 @@ def load_model(
     else:
         net.load_weights(weights)
     net.eval().requires_grad_(False)
-    for module in net.modules():
+    for module in net.modules():  # one weight at a time: its float data goes as its pack comes
         if isinstance(module, Linear):
-            module.prepack()
+            module.quantize() if quantization else module.prepack()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
+
+
+def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError unless ``quantization`` can run here: "int8" needs the CPU, float32
+    activations and the C++ kernels."""
+    if quantization != "int8":
+        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"quantization='int8' runs on the CPU in float32 (dtype 'auto' or 'float32'), "
+            f"got device {device.type!r} and dtype {dtype}"
+        )
+    if not cpu_extension.available():
+        raise ValueError("quantization='int8' needs the C++ CPU kernels, which did not build")
 
 
 def _resolve_path(model: str | None) -> str:

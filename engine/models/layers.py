@@ -12,6 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.models.quant import q8_rows, q8_unpacked, q8_weight, quantize_weight
 from kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
@@ -73,8 +74,15 @@ class Linear(nn.Linear):
         if packed_weight(weight) is None and not weight.requires_grad and _fused_cpu(weight):
             pack_weight(weight)
 
+    def quantize(self) -> None:
+        """Quantise the weight to int8 (GGUF Q8_0, ``engine.models.quant``) for the C++ kernel
+        and drop its float data, as ``prepack`` does (float32 activations; CPU only)."""
+        if q8_weight(self.weight) is None:
+            quantize_weight(self.weight)
+
     def unpack(self) -> None:
-        """Give the weight its plain data back (a no-op for a plain weight)."""
+        """Give the weight its plain data back (a no-op for a plain weight; an int8 weight
+        comes back dequantised)."""
         unpack_weight(self.weight)
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...
@@ -99,6 +107,11 @@ class Linear(nn.Linear):
         return self._row_blocks[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q8 = q8_weight(self.weight)
+        if q8 is not None:  # int8: the kernel only (it checks x is float32 on the CPU)
+            flat = x.reshape(-1, self.in_features)
+            out = cpu_extension.load().linear_q8(flat, *q8, self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         packed = self.packed
         if packed is not None:
             extra = () if self.bias is None else (self.bias,)
@@ -133,12 +146,14 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        packed = packed_weight(self.weight)
-        if packed is None:
+        packed, q8 = packed_weight(self.weight), q8_weight(self.weight)
+        if packed is None and q8 is None:
             return super().forward(input_ids)
         ids = input_ids.reshape(-1)
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        if q8 is not None:  # a tied int8 LM head: its rows, dequantised
+            return q8_rows(q8, ids).view(*input_ids.shape, self.embedding_dim)
         width = packed.shape[-1]
         return packed[ids // width, :, ids % width].view(*input_ids.shape, self.embedding_dim)
 
@@ -176,10 +191,13 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def unpack_weight(weight: torch.Tensor) -> None:
     """Undo ``pack_weight``: the plain data back in the Parameter, the pack dropped."""
-    pack = packed_weight(weight)
+    pack, q8 = packed_weight(weight), q8_weight(weight)
     if pack is not None:
         weight.data = unpacked(pack, weight.shape[0])
+    elif q8 is not None:
+        weight.data = q8_unpacked(q8, weight.shape[0])
     weight.__dict__.pop("pack", None)
+    weight.__dict__.pop("q8", None)
 
 
 def unpacked(pack: torch.Tensor, rows: int) -> torch.Tensor:
@@ -189,9 +207,11 @@ def unpacked(pack: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
     """state_dict() holds the plain weight, not the placeholder."""
-    pack = packed_weight(weight)
+    pack, q8 = packed_weight(weight), q8_weight(weight)
     if pack is not None and key in destination:
         destination[key] = unpacked(pack, weight.shape[0])
+    elif q8 is not None and key in destination:
+        destination[key] = q8_unpacked(q8, weight.shape[0])
 
 
 def _fused_cpu(*tensors: torch.Tensor) -> bool:
@@ -282,6 +302,11 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
     rows = x.numel() // gate_up_proj.in_features
     inter = gate_up_proj.out_features // 2
+    q8 = q8_weight(gate_up_proj.weight)
+    if q8 is not None and gate_up_proj.bias is None and inter % q8[0].shape[-1] == 0:
+        flat = x.reshape(rows, gate_up_proj.in_features)
+        out = cpu_extension.load().linear_silu_mul_q8(flat, *q8, inter)
+        return out.view(*x.shape[:-1], inter)
     packed = gate_up_proj.packed
     if (
         gate_up_proj.bias is None

@@ -8,7 +8,13 @@ import os
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
 
-from engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from engine.default_model import GGUF_NAME
 from engine.generate import (
     HelpFormatter,
@@ -22,6 +28,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "load_format": ("auto", "dummy"),
     "method": SPECULATIVE_METHODS,
+    "quantization": tuple(q for q in QUANTIZATIONS if q),
 }
 HELP = {
     "model": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
@@ -32,6 +39,7 @@ HELP = {
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "longest sequence (default: the model's context length)",
     "seed": "engine seed (unseeded requests)",
+    "quantization": "weight-only quantisation (int8: GGUF Q8_0, CPU float32; default: none)",
     "kv_cache_memory": "bytes for the KV cache when --num-kv-blocks is not given",
     "method": "speculative decoding method; off when not given",
     "draft_model": "draft model (draft) or EAGLE head directory (eagle)",

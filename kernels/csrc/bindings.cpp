@@ -13,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W^T + b with a packed weight (float32)", no_gil);
   m.def("linear_silu_mul", &linear_silu_mul, "silu(gate) * up of x @ gate_up^T, packed (float32)",
         no_gil);
+  m.def("pack_q8_weight", &pack_q8_weight, "Pack an int8 Q8_0 weight and its scales", no_gil);
+  m.def("linear_q8", &linear_q8, "x @ W^T + b with a packed int8 weight (float32 x)", no_gil);
+  m.def("linear_silu_mul_q8", &linear_silu_mul_q8, "linear_silu_mul with a packed int8 weight",
+        no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)", no_gil);
   m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32)", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32)", no_gil);
