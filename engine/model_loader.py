@@ -128,16 +128,22 @@ def load_model(
     with default_dtype(dtype), torch.device("meta"):
         net = cls(config, shard)
     _materialize(net, device)
+    net.eval().requires_grad_(False)
+    linears = {id(m.weight): m for m in net.modules() if isinstance(m, Linear)}
+
+    def quantize(param: nn.Parameter) -> None:  # as soon as loaded: no float32 model whole
+        if id(param) in linears:
+            linears[id(param)].quantize()
+
+    on_loaded = quantize if quantization else None
     if weights is None and shard.size > 1:
-        net.load_weights(_dummy_weights(cls, config, dtype, device, seed))
+        net.load_weights(_dummy_weights(cls, config, dtype, device, seed), on_loaded)
     elif weights is None:
         _init_dummy(net, seed)
     else:
-        net.load_weights(weights)
-    net.eval().requires_grad_(False)
-    for module in net.modules():  # one weight at a time: its float data goes as its pack comes
-        if isinstance(module, Linear):
-            module.quantize() if quantization else module.prepack()
+        net.load_weights(weights, on_loaded)
+    for module in linears.values():  # the rest (dummy weights); a no-op for those done
+        module.quantize() if quantization else module.prepack()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
 
 

@@ -8,7 +8,7 @@ size > 1) each rank builds the model with its share of the heads, MLP columns an
 the layers are exactly the single-device ones.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -208,12 +208,18 @@ class LlamaForCausalLM(nn.Module):
         return gather_logits(logits, self.config.vocab_size, self.shard)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        on_loaded: Callable[[nn.Parameter], None] | None = None,
+    ) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered.
 
         Under tensor parallelism each weight is first cut to this rank's slice; ``weights`` may
         then yield lazy safetensors slices, so a rank reads only its part. Raises ValueError
-        for an unknown name, a shape mismatch or a missing weight.
+        for an unknown name, a shape mismatch or a missing weight. ``on_loaded(parameter)``
+        runs as soon as a parameter has all its parts (quantising at load uses it, so that
+        the float32 model is never resident whole).
         """
         params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as embed
         loaded: dict[str, set[int]] = {name: set() for name in params}
@@ -241,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded[name].add(shard)
+            if on_loaded is not None and len(loaded[name]) == len(self._shard_sizes(name)):
+                on_loaded(params[name])
         missing = [n for n in params if len(loaded[n]) != len(self._shard_sizes(n))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing}")

@@ -15,8 +15,8 @@ from torch import nn
 from kernels import cpu_extension
 
 Q8_BLOCK = 32
-# Rows quantised at a time: bounds the float temporaries of quantising the LM head.
-_ROWS_PER_PASS = 2048
+# Rows quantised at a time (a multiple of every SIMD width): bounds the temporaries.
+_ROWS_PER_PASS = 256
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,17 +52,35 @@ def quantize_weight(
     weight: nn.Parameter, q8: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> None:
     """Replace a CPU weight [N, K]'s data by its packed Q8_0 (``q8``: its (q, d) when already
-    quantised, e.g. read from a Q8_0 GGUF; else quantised from the weight), in place.
+    quantised; else quantised from the weight), in place.
 
-    As ``pack_weight``: the Parameter stays, its data becomes a NaN placeholder, and the pack
-    (``weight.q8``: packed q, packed d and the placeholder's address) counts only while the
-    placeholder is the Parameter's data.
+    Rows are quantised and packed _ROWS_PER_PASS at a time straight into the pack, so the
+    only memory beside the float weight is the pack itself (a quarter of it) and one pass's
+    temporaries. As ``pack_weight``: the Parameter stays, its data becomes a NaN placeholder,
+    and the pack (``weight.q8``: packed q, packed d and the placeholder's address) counts only
+    while the placeholder is the Parameter's data.
     """
-    qs, ds = q8 if q8 is not None else quantize_q8_0(weight.detach())
-    packed_q, packed_d = cpu_extension.load().pack_q8_weight(qs, ds)
-    del qs, ds
+    pack = cpu_extension.load().pack_q8_weight
+    rows = weight.shape[0]
+    packs: tuple[torch.Tensor, torch.Tensor] | None = None
+    for start in range(0, rows, _ROWS_PER_PASS):
+        stop = min(rows, start + _ROWS_PER_PASS)
+        if q8 is None:
+            part = quantize_q8_0(weight.detach()[start:stop])
+        else:
+            part = q8[0][start:stop], q8[1][start:stop].float()
+        part_q, part_d = pack(*part)
+        if packs is None:  # the SIMD width V (panel columns) is the kernel's choice
+            panels = -(-rows // part_q.shape[-1])
+            packs = (
+                torch.empty(panels, *part_q.shape[1:], dtype=torch.int8),
+                torch.empty(panels, *part_d.shape[1:], dtype=torch.float32),
+            )
+        first = start // part_q.shape[-1]
+        packs[0][first : first + len(part_q)] = part_q
+        packs[1][first : first + len(part_d)] = part_d
     weight.data = torch.full((1, 1), float("nan")).expand(weight.shape)
-    weight.q8 = (packed_q, packed_d, weight.data_ptr())
+    weight.q8 = (*packs, weight.data_ptr())
 
 
 def q8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,160 @@
+"""Int8 weight-only (GGUF Q8_0): the quantiser against gguf-py's bits, the C++ kernel
+(kernels/csrc/cpu_linear_q8.cpp) against float64 products of the dequantised weight, and the
+int8 Linear / SwiGLU / tied embedding built on them."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.models import layers
+from engine.models.quant import dequantize_q8_0, q8_weight, quantize_q8_0
+from kernels import cpu_extension
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows at scales from 1e-3 to 10, with an all-zero block and ties at .5 steps."""
+    w = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 1, rows)[:, None]
+    w[0, :32] = 0.0
+    w[-1, : min(cols, 32)] = torch.arange(min(cols, 32)) * 0.5 - 8  # d = 8/127: ties after scaling
+    return w
+
+
+def gguf_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf-py's Q8_0 blocks of ``w`` split into (q int8 [N, K], d float16 [N, K / 32])."""
+    raw = gguf.quants.quantize(w.numpy(), Q8_0).reshape(w.shape[0], -1, 34)
+    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
+    q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(w.shape)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def reference(x: torch.Tensor, qs, ds, bias=None) -> torch.Tensor:
+    """x @ dequantised weight^T + bias in float64."""
+    w = dequantize_q8_0(qs, ds).double()
+    return F.linear(x.double(), w, None if bias is None else bias.double())
+
+
+def rel_err(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (37, 96), (96, 576)])
+def test_quantize_q8_0_is_gguf_bit_for_bit(shape, gen):
+    w = weight(*shape, gen)
+    qs, ds = quantize_q8_0(w)
+    q_ref, d_ref = gguf_q8_0(w)
+    assert torch.equal(qs, q_ref)
+    assert torch.equal(ds, d_ref.float())
+    deq = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), Q8_0), Q8_0)
+    assert torch.equal(dequantize_q8_0(qs, ds), torch.from_numpy(deq))
+
+
+def test_quantizing_dequantised_q8_0_gives_the_shipped_bits_back(gen):
+    """A Q8_0 GGUF loaded as float32 and quantised at load runs exactly the file's numbers."""
+    qs, ds = quantize_q8_0(weight(64, 160, gen))
+    again = quantize_q8_0(dequantize_q8_0(qs, ds))
+    assert torch.equal(again[0], qs) and torch.equal(again[1], ds)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 32), (96, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
+    ext = cpu_extension.load()
+    qs, ds = quantize_q8_0(weight(n, k, gen))
+    packed_q, packed_d = ext.pack_q8_weight(qs, ds)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = ext.linear_q8(x, packed_q, packed_d, b, n)
+    assert got.shape == (rows, n)
+    assert rel_err(got, reference(x, qs, ds, b)) < 2e-6
+
+
+def test_linear_q8_row_bits_do_not_depend_on_the_batch(gen):
+    """Rows run alone (weights dequantised in registers) and in a batch of 64 (through the
+    dequantised panel buffer) give the same bits, at any thread count."""
+    ext = cpu_extension.load()
+    qs, ds = quantize_q8_0(weight(200, 96, gen))
+    pq, pd = ext.pack_q8_weight(qs, ds)
+    x = torch.randn(64, 96, generator=gen)
+    batch = ext.linear_q8(x, pq, pd, None, 200)
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, threads}:
+            torch.set_num_threads(t)
+            for i in (0, 5, 63):
+                assert torch.equal(ext.linear_q8(x[i : i + 1], pq, pd, None, 200), batch[i : i + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_swiglu_of_int8_projection_matches_float64(rows, gen, monkeypatch):
+    """The fused int8 gate_up + silu * mul (one call) equals the float64 formula on the
+    dequantised weights, and is the path taken."""
+    ext = cpu_extension.load()
+    calls = []
+    fused = ext.linear_silu_mul_q8
+    monkeypatch.setattr(ext, "linear_silu_mul_q8", lambda *a: calls.append(1) or fused(*a))
+    inter, k = 48, 64
+    proj = layers.Linear(k, 2 * inter, bias=False).requires_grad_(False)
+    proj.weight.data = weight(2 * inter, k, gen)
+    qs, ds = quantize_q8_0(proj.weight)
+    proj.quantize()
+    x = torch.randn(rows, k, generator=gen)
+    gate, up = reference(x, qs, ds).chunk(2, dim=-1)
+    got = layers.swiglu(proj, x)
+    assert rel_err(got, F.silu(gate) * up) < 2e-6
+    assert calls == [1]
+    assert torch.equal(got, layers.silu_and_mul(proj(x)))
+
+
+def test_int8_linear_keeps_one_copy_and_unpacks_dequantised(gen):
+    lin = layers.Linear(64, 40).requires_grad_(False)
+    lin.weight.data = weight(40, 64, gen)
+    qs, ds = quantize_q8_0(lin.weight)
+    lin.quantize()
+    assert lin.weight.untyped_storage().nbytes() == 4  # the placeholder: no float copy left
+    assert q8_weight(lin.weight)[0].dtype == torch.int8
+    x = torch.randn(3, 5, 64, generator=gen)
+    assert rel_err(lin(x), reference(x, qs, ds, lin.bias)) < 2e-6
+    assert torch.equal(lin.state_dict()["weight"], dequantize_q8_0(qs, ds))
+    lin.unpack()
+    assert q8_weight(lin.weight) is None
+    assert torch.equal(lin.weight, dequantize_q8_0(qs, ds))
+
+
+def test_tied_embedding_reads_the_int8_head(gen):
+    emb = layers.Embedding(50, 64)
+    head = layers.Linear(64, 50, bias=False)
+    head.weight = emb.weight
+    emb.requires_grad_(False)
+    emb.weight.data = weight(50, 64, gen)
+    qs, ds = quantize_q8_0(emb.weight)
+    head.quantize()
+    ids = torch.tensor([[0, 49, 17], [3, 3, 16]])
+    assert torch.equal(emb(ids), dequantize_q8_0(qs, ds)[ids])
+    with pytest.raises(IndexError):
+        emb(torch.tensor([50]))
+
+
+def test_kernel_rejects_mismatched_packs(gen):
+    ext = cpu_extension.load()
+    qs, ds = quantize_q8_0(weight(32, 64, gen))
+    with pytest.raises(ValueError, match="scales must be float32"):
+        ext.pack_q8_weight(qs, ds[:, :1])
+    pq, pd = ext.pack_q8_weight(qs, ds)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        ext.linear_q8(torch.randn(2, 32), pq, pd, None, 32)
+    with pytest.raises(ValueError, match="pack_q8_weight"):
+        ext.linear_q8(torch.randn(2, 64), pq, pd[:, :1], None, 32)
+
+
+@pytest.mark.parametrize("value", ["int4", "INT8", "", 8])
+def test_bad_quantization_is_a_value_error_naming_the_field(value):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'int8'\)"):
+        EngineConfig(quantization=value)
