@@ -2,9 +2,10 @@
 // activations and sums.
 //
 // Why our own: at one row (batch-1 decode, bound by reading the weights) torch's
-// _weight_int8pack_mm ran 3x slower than the float32 GEMM, oneDNN's int8 linear
-// (qlinear_pointwise) quantises the activations too and costs ~0.6 ms per call, and torchao's wheel has no CPU kernel
-// (README, python -m benchmarks.linear).
+// _weight_int8pack_mm ran 3x slower than the float32 GEMM (1.9x faster with bf16 activations,
+// still 4x off what the bytes allow), oneDNN's int8 linear (qlinear_pointwise) needs int8
+// activations and costs ~0.6 ms a call at one row, and torchao's wheel has no CPU kernel
+// (README; python -m benchmarks.linear has the library columns).
 //
 // The weight [N, K] is Q8_0: per output row, blocks of kQ8Block along K, each an int8 vector q and
 // one scale d, w = d * q. It is packed like the float32 GEMM's (cpu_linear.cpp) into panels of
