@@ -5,6 +5,11 @@ weights stream from memory, as in a step): ``F.linear`` (what HF calls), oneDNN'
 linear (``torch.ops.mkldnn._linear_pointwise`` on a weight reordered for that row count by
 ``_reorder_linear_weight``, as torch.compile's CPU freezing path runs it) and ``Linear`` (the
 packed C++ GEMM), alternated --repeats times; medians, GB/s, GFLOP/s.
+
+Int8 weights (``quantization="int8"``): ``Linear`` quantised to GGUF Q8_0 (the C++ kernel of
+cpu_linear_q8.cpp, float32 activations) against the library kernels for int8 weights: torch's
+``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16 activations) and oneDNN's int8
+linear (``onednn.qlinear_pointwise``: it takes int8 activations, quantised per call here).
 """
 
 import torch
@@ -41,6 +46,10 @@ def run(args) -> dict:
         m.prepack()  # as engine.model_loader.load_model does
     weight_bytes = sum(w.numel() * w.element_size() for w in plain.values())
     params = sum(w.numel() for w in plain.values())
+    int8 = {m: int8_layer(m, plain[m]) for m in layers}
+    channel = {m: per_channel_int8(plain[m]) for m in layers}
+    prepack_int8 = torch.ops.onednn.qlinear_prepack if _ONEDNN else None
+    onednn_int8 = {m: prepack_int8(channel[m][0], None) for m in layers} if prepack_int8 else {}
     results = []
     for rows in rows_list:
         inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
@@ -54,10 +63,20 @@ def run(args) -> dict:
                     F.linear(x, plain[m], m.bias)
                 elif impl == "onednn":
                     torch.ops.mkldnn._linear_pointwise(x, onednn[m], m.bias, "none", [], "")
+                elif impl == "int8":
+                    int8[m](x)
+                elif impl == "int8pack_mm":
+                    torch.ops.aten._weight_int8pack_mm(x, *channel[m])
+                elif impl == "int8pack_mm_bf16":
+                    torch.ops.aten._weight_int8pack_mm(x.bfloat16(), channel[m][0],
+                                                       channel[m][1].bfloat16())  # fmt: skip
+                elif impl == "onednn_int8":
+                    onednn_int8_linear(x, onednn_int8[m], channel[m][1], m.bias)
                 else:
                     m(x)
 
-        impls = ["f_linear", "linear", *(["onednn"] if onednn else [])]
+        impls = ["f_linear", "linear", *(["onednn"] if onednn else []), "int8", "int8pack_mm",
+                 "int8pack_mm_bf16", *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
         times: dict[str, list[float]] = {impl: [] for impl in impls}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
             for impl in impls:  # warm-up
@@ -71,7 +90,11 @@ def run(args) -> dict:
             "onednn_ms": onednn_ms, "speedup": ms["f_linear"] / ms["linear"],
             "vs_onednn": onednn_ms / ms["linear"] if onednn_ms else None,
             "linear_gbs": weight_bytes / ms["linear"] / 1e6,
-            "linear_gflops": 2 * params * rows / ms["linear"] / 1e6})  # fmt: skip
+            "linear_gflops": 2 * params * rows / ms["linear"] / 1e6,
+            "int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
+            "int8_gbs": params * (1 + 4 / 32) / ms["int8"] / 1e6,
+            "int8pack_mm_ms": ms["int8pack_mm"], "int8pack_mm_bf16_ms": ms["int8pack_mm_bf16"],
+            "onednn_int8_ms": ms.get("onednn_int8")})  # fmt: skip
         print(f"{rows} rows: " + ", ".join(f"{impl} {t:.1f} ms" for impl, t in ms.items()))
         del onednn
     machine = workload.machine_info(torch.device("cpu"), "benchmarks.linear")
@@ -80,6 +103,33 @@ def run(args) -> dict:
                "repeats": args.repeats, "results": results}  # fmt: skip
     workload.save(payload, args.output_dir, "linear")
     return payload
+
+
+def int8_layer(m: Linear, weight: torch.Tensor) -> Linear:
+    """A copy of ``m`` quantised as ``quantization="int8"`` loads it."""
+    q = Linear(m.in_features, m.out_features, bias=m.bias is not None).requires_grad_(False)
+    q.weight.data = weight.clone()
+    if m.bias is not None:
+        q.bias.data = m.bias.detach().clone()
+    q.quantize()
+    return q
+
+
+def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N]): symmetric per-output-channel, what the library
+    int8 kernels take."""
+    scale = weight.abs().amax(1).clamp_min(1e-12) / 127
+    return (weight / scale[:, None]).round().to(torch.int8), scale
+
+
+def onednn_int8_linear(x, packed, w_scale, bias) -> torch.Tensor:
+    """oneDNN's int8 linear on float32 x: x quantised per tensor (uint8, zero point 128) first."""
+    x_scale = float(x.abs().max()) / 127 or 1.0
+    qx = (x / x_scale).round().add(128).clamp(0, 255).to(torch.uint8)
+    zero = torch.zeros(len(w_scale), dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        qx, x_scale, 128, packed, w_scale, zero, bias, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 if __name__ == "__main__":

@@ -249,7 +249,11 @@ def render_linear(p: dict) -> list[str]:
     columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | oneDNN packed ms={onednn_ms:.1f} | "
     columns += "Linear ms={linear_ms:.1f} | vs F.linear={speedup:.2fx} | "
     columns += "vs oneDNN={vs_onednn:.2fx} | Linear GB/s={linear_gbs:.1f} | "
-    columns += "Linear GFLOP/s={linear_gflops:.0f}"
+    columns += "Linear GFLOP/s={linear_gflops:.0f} | int8 Linear ms={int8_ms:.1f} | "
+    columns += "int8 vs Linear={int8_vs_linear:.2fx} | int8 GB/s={int8_gbs:.1f} | "
+    columns += "_weight_int8pack_mm ms={int8pack_mm_ms:.1f} | "
+    columns += "_weight_int8pack_mm bf16 x ms={int8pack_mm_bf16_ms:.1f} | "
+    columns += "oneDNN int8 (int8 x) ms={onednn_int8_ms:.1f}"
     return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 
 

@@ -143,15 +143,18 @@ def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
             "copy_bytes": copy_bytes, "gemm_size": n}  # fmt: skip
 
 
-def model_cost(config, dtype: torch.dtype) -> dict:
-    """Matmul parameters of ``config``'s model (on a weightless meta model) and their bytes."""
+def model_cost(config, dtype: torch.dtype, quantization: str | None = None) -> dict:
+    """Matmul parameters of ``config``'s model (on a weightless meta model) and their bytes
+    (int8: a byte a weight plus a float32 scale per 32)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and embed.weight is head.weight
     params = sum(p.numel() for p in model.parameters() if tied or p is not embed.weight)
     dtype_name = str(dtype).removeprefix("torch.")
-    return {"num_params": params, "weight_bytes": params * dtype.itemsize, "dtype": dtype_name}
+    per_weight = 1 + 4 / 32 if quantization == "int8" else dtype.itemsize
+    return {"num_params": params, "weight_bytes": params * per_weight, "dtype": dtype_name,
+            "quantization": quantization}  # fmt: skip
 
 
 def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
@@ -168,7 +171,8 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
-    others, rates, cost = args.peers, device_rates(device, dtype), model_cost(spec.config, dtype)
+    others, rates = args.peers, device_rates(device, dtype)
+    cost = model_cost(spec.config, dtype, args.quantization)
     hf_model = others and load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
     results = []
@@ -293,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--iters", type=int, default=5, help="latency: measured iterations")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     add("--tensor-parallel-size", type=int, default=1, help="ranks (CPU threads split among them)")
+    add("--quantization", choices=("int8",), help="pagedspec's weights (int8: GGUF Q8_0, CPU)")
     return parser
 
 
