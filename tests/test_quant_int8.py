@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.default_model import default_model_dir
 from engine.gguf_loader import iter_gguf
@@ -244,3 +244,21 @@ def test_int8_default_model_agrees_with_float32(default_model_scores):
 def test_int8_with_bfloat16_or_cuda_is_a_value_error():
     with pytest.raises(ValueError, match="quantization='int8' runs on the CPU in float32"):
         LLM(quantization="int8", dtype="bfloat16", load_format="dummy")
+
+
+def test_int8_greedy_is_the_same_with_speculation_and_any_batch(tiny_llama):
+    """Scheduling never changes int8 results: one request alone, nine together (past the 8-row tile: the panel-buffer path), and
+    the three under n-gram speculation (verification spans of several rows) give the same tokens."""
+    prompts = ["hello world hello world hello", "the cat sat on the mat the cat", "abc abc abc"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(llm: LLM, batch: list[str]) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+    plain = LLM(tiny_llama, quantization="int8", num_kv_blocks=128)
+    alone = [run(plain, [p])[0] for p in prompts]
+    assert run(plain, prompts * 3)[: len(prompts)] == alone
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    fast = LLM(tiny_llama, quantization="int8", num_kv_blocks=128, speculative_config=spec)
+    assert run(fast, prompts) == alone
+    assert fast.llm_engine.get_stats().num_accepted_tokens > 0
