@@ -247,8 +247,9 @@ def test_int8_with_bfloat16_or_cuda_is_a_value_error():
 
 
 def test_int8_greedy_is_the_same_with_speculation_and_any_batch(tiny_llama):
-    """Scheduling never changes int8 results: one request alone, nine together (past the 8-row tile: the panel-buffer path), and
-    the three under n-gram speculation (verification spans of several rows) give the same tokens."""
+    """Scheduling never changes int8 results: each request alone, nine together (past the
+    8-row tile: the panel-buffer path), and the three under n-gram speculation (verification
+    spans of several rows) give the same tokens."""
     prompts = ["hello world hello world hello", "the cat sat on the mat the cat", "abc abc abc"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
