@@ -37,6 +37,9 @@ class Linear(nn.Linear):
       the weight's rows as P blocks (P: the largest divisor of out_features up to the thread
       count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
+    - Int8 (``quantize``, ``quantization="int8"``): the C++ kernel of
+      kernels/csrc/cpu_linear_q8.cpp on the weight's Q8_0 pack (``engine.models.quant``),
+      float32 activations; as with the float32 pack, no float copy is kept.
     - Any other weight (bf16/fp16, CUDA): F.linear. (For bf16 at 1-2 rows oneDNN's F.linear
       is 1.5x the row-split ``bmm``, which ATen runs at a third of the bandwidth.)
 
