@@ -68,9 +68,10 @@ class EagleProposer:
     runs_every_span = True
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, seed: int) -> None:
+    def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0) -> None:
         self.runner = runner
         self.head = runner.model
+        self.min_confidence = min_confidence
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._states: dict[int, _State] = {}
 
@@ -99,7 +100,9 @@ class EagleProposer:
             return logits
 
         first_features = torch.cat(features)
-        drafts, sampled = chain_drafts(scheduled, ks, params, spans, forward, self._draw, written)
+        drafts, sampled = chain_drafts(
+            scheduled, ks, params, spans, forward, self._draw, written, self.min_confidence
+        )
         return Proposal(drafts, sampled, written)
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
