@@ -19,7 +19,8 @@ EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
 # saturation (all requests at once), pagedspec's output tokens/s / the peer's at least this.
 SERVING_TTFT_P99, SERVING_THROUGHPUT = 2.0, 2.0
 SERVING_PEER = "transformers"
-EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
+EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
+    "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
 
@@ -142,7 +143,8 @@ SWEEP_COLUMNS = (
 EAGLE_COLUMNS = (
     "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
-    "{r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "{r[mean_accepted_length]:.2f} | drafts/verification={drafts:.2f} | "
+    "acceptance by draft position={by_position} | "
     "same tokens={r[same_tokens_as_reference]:.0%}"
 )
 
@@ -206,6 +208,8 @@ def _render_eagle(e: dict) -> list[str]:
     reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
     rows = [{"label": EAGLE_LABELS[name], "r": r,
              "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+             "drafts": (r["mean_accepted_length"] - 1) / r["acceptance_rate"]
+             if r.get("acceptance_rate") else 0.0,
              "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
             for name, r in runs.items()]  # fmt: skip
     return [
@@ -388,7 +392,8 @@ def targets(p: dict) -> list[dict]:
         sampled = (acc["eagle-t"] or 0) / acc["eagle-t-argmax"] if acc["eagle-t-argmax"] else None
         found += [
             (f"eagle: tokens per verification, k={e['k']}, greedy",
-             e["runs"]["eagle"].get("mean_accepted_length"), EAGLE_TOKENS_PER_ROUND, ""),
+             e["runs"].get("eagle-k4", e["runs"]["eagle"]).get("mean_accepted_length"),
+             EAGLE_TOKENS_PER_ROUND, ""),
             ("eagle: speedup vs no speculation, greedy", tps["eagle"] / tps["none"], EAGLE_SPEEDUP),
             ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
              EAGLE_SPEEDUP_SAMPLED),
