@@ -230,7 +230,9 @@ def draw_drafts(
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
-Draw = Callable[[torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor]]
+Draw = Callable[
+    [torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor | None]
+]
 
 
 def chain_drafts(
@@ -266,7 +268,8 @@ def chain_drafts(
                 confidence[i] *= top[j]
         for j, i in enumerate(active):
             drafts[i].append(tokens[j])
-            probs[i].append(q[j])
+            if q is not None:  # None: every row greedy, and greedy drafts keep no q
+                probs[i].append(q[j])
         active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= min_confidence]
         if not active:
             break
