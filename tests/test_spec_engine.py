@@ -10,7 +10,7 @@ from conftest import build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.config import DEFAULT_MIN_DRAFT_CONFIDENCE
+from engine.config import DEFAULT_MAX_DRAFT_SKIP, DEFAULT_MIN_DRAFT_CONFIDENCE
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.proposers import NgramProposer, Proposal
 
@@ -182,10 +182,15 @@ def test_draft_confidence_out_of_range_is_rejected(value):
         SpeculativeConfig(min_draft_confidence=value)
 
 
-def test_draft_confidence_defaults_per_method():
-    assert SpeculativeConfig(method="eagle").draft_confidence == DEFAULT_MIN_DRAFT_CONFIDENCE > 0
-    assert SpeculativeConfig(method="draft", draft_model="x").draft_confidence == 0.0
-    assert SpeculativeConfig(method="eagle", min_draft_confidence=0).draft_confidence == 0.0
+def test_draft_confidence_and_backoff_defaults_per_method():
+    eagle, draft = SpeculativeConfig(method="eagle"), SpeculativeConfig("draft", draft_model="x")
+    assert eagle.draft_confidence == DEFAULT_MIN_DRAFT_CONFIDENCE > 0 and eagle.draft_skip == 0
+    assert draft.draft_confidence == 0.0 and draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
+    assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram
+    explicit = SpeculativeConfig(method="eagle", min_draft_confidence=0, max_draft_skip=4)
+    assert explicit.draft_confidence == 0.0 and explicit.draft_skip == 4
+    with pytest.raises(ValueError, match="max_draft_skip must be an integer >= 0"):
+        SpeculativeConfig(max_draft_skip=-1)
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, plain):
