@@ -81,12 +81,14 @@ def windows(ids: Sequence[int], size: int) -> list[list[int]]:
 
 
 def fixture_prompts(tokenizer) -> list[list[int]]:
-    """The plain fixture prompts (encoded as the engine encodes text), then the chat examples."""
+    """The fixture prompts, then the examples' (chat ones through the template), as token ids
+    (text encoded as the engine encodes it)."""
     from engine.llm import render_chat
 
-    plain = [tokenizer.encode(p, add_special_tokens=True) for p in FIXTURE_PROMPTS]
     records = [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
-    return plain + [render_chat(tokenizer, r["messages"])[1] for r in records]
+    plain = [*FIXTURE_PROMPTS, *(r["prompt"] for r in records if "prompt" in r)]
+    chats = [render_chat(tokenizer, r["messages"])[1] for r in records if "messages" in r]
+    return [tokenizer.encode(p, add_special_tokens=True) for p in plain] + chats
 
 
 def pagedspec_side(spec, args, options: dict, requests, chunks: list[list[int]]) -> dict:

@@ -151,6 +151,8 @@ class LlamaCpp:
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         rows = sum(map(bool, outputs))
+        if rows == 0:  # a prompt chunk that is not a prompt's end
+            return np.empty((0, self.n_vocab), dtype=np.float32)
         return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), (rows, self.n_vocab))
 
     def clear(self, seq_id: int) -> None:

@@ -1,7 +1,8 @@
 """``make bench``: every benchmark at CPU size (about 45 minutes on 2 cores: EAGLE ~3-4 of them,
 the serving benchmark ~12 (its peer is slow) and the soak 10),
 each in its own process writing to benchmarks/results, then RESULTS.md regenerated; run_all.json
-records each command, its exit status and wall time.
+records each command, its exit status and wall time. Where llama_cpp imports (``make
+bench-peers``), llama.cpp runs as a peer at each precision the engine has.
 """
 
 import datetime
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks import workload
+from benchmarks import llamacpp, workload
+from benchmarks.precisions import PRECISIONS, engine_options
 
 RESULTS = "benchmarks/results"
 # name: "module flags..." (benchmarks.<module>).
@@ -26,14 +28,37 @@ FULL = {
     "block_manager": "block_manager",
     "linear": "linear",
     "kernels": "kernels --spans 1,5,64 --iters 10",
+    "accuracy": "accuracy",
 }
+# Issue 17's comparison with llama.cpp: 64-token prompts, 64 greedy tokens, batch 1 and 32.
+PEER_RUN = "throughput --batch-sizes 1,32 --input-len 64 --output-len 64 --peers llamacpp "
+PEER_RUN += "--precision {p} --tag throughput-llamacpp-{p}"
+
+
+def peer_commands() -> dict[str, list[str]]:
+    """The llama.cpp runs (module, flags...), one per precision the engine has; none, with the
+    reason printed, where llama_cpp does not import."""
+    reason = llamacpp.unavailable_reason()
+    if reason is not None:
+        print(f"=== skipping the llama.cpp runs: {reason}", flush=True)
+        return {}
+    runs = {}
+    for name, precision in PRECISIONS.items():
+        try:
+            engine_options(precision)
+        except ValueError as exc:
+            print(f"=== skipping llama.cpp at {name}: {exc}", flush=True)
+            continue
+        runs[f"throughput-llamacpp-{name}"] = shlex.split(PEER_RUN.format(p=name))
+    return runs
 
 
 def commands() -> dict[str, list[str]]:
     """The command line of each benchmark."""
+    lines = {name: shlex.split(line) for name, line in FULL.items()} | peer_commands()
     return {
         name: [sys.executable, "-m", f"benchmarks.{module}", *flags, "--output-dir", RESULTS]
-        for name, (module, *flags) in ((n, shlex.split(line)) for n, line in FULL.items())
+        for name, (module, *flags) in lines.items()
     }
 
 
