@@ -63,9 +63,15 @@ def commands() -> dict[str, list[str]]:
 
 
 if __name__ == "__main__":
+    # --peers-only (make bench-peers): the llama.cpp runs and the accuracy table alone.
+    peers_only = sys.argv[1:] == ["--peers-only"]
+    if sys.argv[1:] and not peers_only:
+        sys.exit(f"usage: python -m benchmarks.run_all [--peers-only], got {sys.argv[1:]}")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    runs, start = [], time.perf_counter()
-    for name, cmd in commands().items():
+    runs, start, chosen = [], time.perf_counter(), commands()
+    if peers_only:
+        chosen = {n: c for n, c in chosen.items() if n == "accuracy" or "llamacpp" in n}
+    for name, cmd in chosen.items():
         shown = shlex.join(["python", *cmd[1:]])
         print(f"=== {name}: {shown}", flush=True)
         t0, rc = time.perf_counter(), subprocess.run(cmd).returncode
@@ -73,7 +79,8 @@ if __name__ == "__main__":
         print(f"=== {name}: exit {rc} after {seconds:.0f} s", flush=True)
         runs.append({"name": name, "command": shown, "returncode": rc, "seconds": seconds})
     summary = {"benchmark": "run_all", "quick": False, "started": started, "runs": runs}
-    workload.save(summary | {"total_s": time.perf_counter() - start}, RESULTS, "run_all")
+    if not peers_only:  # run_all.json records the full sweep
+        workload.save(summary | {"total_s": time.perf_counter() - start}, RESULTS, "run_all")
     rc = subprocess.run([sys.executable, "-m", "benchmarks.report"]).returncode
     failed = [r["name"] for r in runs if r["returncode"] != 0] + (["report"] if rc else [])
     print(f"=== run_all: {time.perf_counter() - start:.0f} s; failed: {failed}")
