@@ -50,15 +50,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def greedy_agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict:
-    """Share of ``outputs`` identical to ``reference`` (same prompts, same order) and the mean
-    length of their common prefixes, in tokens."""
+    """Share of ``outputs`` identical to ``reference`` (same prompts, same order), and the
+    length of their common prefixes, in tokens: each and the mean."""
     if len(reference) != len(outputs) or not reference:
         raise ValueError(f"need as many outputs as references (>= 1): {len(outputs)} vs "
                          f"{len(reference)}")  # fmt: skip
     prefixes = [common_prefix(r, o) for r, o in zip(reference, outputs, strict=True)]
     same = sum(list(r) == list(o) for r, o in zip(reference, outputs, strict=True))
     return {"identical": same / len(reference), "mean_common_prefix": sum(prefixes) / len(prefixes),
-            "tokens_per_output": sum(map(len, reference)) / len(reference)}  # fmt: skip
+            "tokens_per_output": sum(map(len, reference)) / len(reference),
+            "common_prefixes": prefixes}  # fmt: skip
 
 
 def token_nll(logits: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:

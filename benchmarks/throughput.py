@@ -261,6 +261,7 @@ def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | No
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
     same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
+    same = same if uses_hf else f"pagedspec loads {spec.hf_path}"
     model = {"name": spec.name, "load_format": spec.load_format} | cost
     note = DUMMY_NOTE if spec.load_format == "dummy" else same
     extra = {"precision": vars(precision)} if precision else {}

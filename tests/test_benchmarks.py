@@ -217,7 +217,7 @@ NOT_SHOWN = {
     "spec_decode": {"config", "seconds", "tokens", "forced_speedup", "targets",
                     "default_vs_off_at_largest"},
     "kernels": {"min_us"},
-    "accuracy": {"config", "tokens_per_output"},
+    "accuracy": {"config", "tokens_per_output", "common_prefixes"},
 }  # fmt: skip
 
 

@@ -153,7 +153,8 @@ def test_agreement_and_perplexity_on_fixed_inputs():
     assert accuracy.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert accuracy.common_prefix([], [1]) == 0
     scores = accuracy.greedy_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
-    assert scores == {"identical": 0.5, "mean_common_prefix": 2.0, "tokens_per_output": 3.0}
+    assert scores == {"identical": 0.5, "mean_common_prefix": 2.0, "tokens_per_output": 3.0,
+                      "common_prefixes": [3, 1]}  # fmt: skip
     with pytest.raises(ValueError, match="as many outputs as references"):
         accuracy.greedy_agreement([[1]], [])
     logits = torch.tensor([[0.0, math.log(3.0)], [2.0, 2.0]], dtype=torch.float64)  # p = 1/4, 3/4
