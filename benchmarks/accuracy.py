@@ -14,6 +14,7 @@ fp32 against llama.cpp F32 is the cross-check: the same weights must give nearly
 perplexity.
 """
 
+import argparse
 import json
 import math
 import time
@@ -96,7 +97,7 @@ def pagedspec_side(spec, args, options: dict, requests, chunks: list[list[int]])
     """pagedspec at ``options``: greedy tokens of ``requests`` and the NLL of every scored
     token of ``chunks``, teacher-forced through the engine's ModelRunner."""
     quant = {k: v for k, v in options.items() if k != "dtype"}
-    args.dtype = options["dtype"]
+    args = argparse.Namespace(**vars(args) | {"dtype": options["dtype"]})
     blocks = workload.kv_blocks_needed(requests, len(requests), 0)
     engine = workload.make_engine(spec, args, len(requests), blocks, **quant)
     tokens = run_engine(engine, requests).token_ids

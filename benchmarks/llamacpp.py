@@ -185,6 +185,12 @@ def run_batched(
     per-request timings (seconds from submission) and generated tokens, in request order."""
     if not 1 <= batch_size <= llama.n_batch:
         raise ValueError(f"batch_size must be in 1..n_batch ({llama.n_batch}), got {batch_size}")
+    for i, r in enumerate(requests):
+        if not r.prompt_ids or r.output_len < 1:
+            got = f"got {len(r.prompt_ids)} prompt tokens and output_len {r.output_len}"
+            raise ValueError(
+                f"request {i}: prompt_ids must be non-empty and output_len >= 1, {got}"
+            )
     waiting, free_ids = deque(enumerate(requests)), list(range(batch_size))
     running: dict[int, _Slot] = {}
     done: dict[int, tuple[RequestTiming, list[int]]] = {}

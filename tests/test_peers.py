@@ -147,6 +147,9 @@ def test_batched_driver_gives_each_request_its_own_greedy_tokens(batch_size, n_b
 def test_batched_driver_refuses_more_sequences_than_a_batch_holds():
     with pytest.raises(ValueError, match=r"batch_size must be in 1..n_batch \(4\), got 5"):
         llamacpp.run_batched(FakeLlama(4, 5), [BenchRequest([1], 1)], 5)
+    for bad in (BenchRequest([], 3), BenchRequest([1], 0)):  # would never finish
+        with pytest.raises(ValueError, match="request 1: prompt_ids must be non-empty"):
+            llamacpp.run_batched(FakeLlama(4, 4), [BenchRequest([1], 1), bad], 2)
 
 
 def test_agreement_and_perplexity_on_fixed_inputs():
