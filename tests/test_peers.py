@@ -225,3 +225,15 @@ def test_run_all_adds_llamacpp_runs_only_where_it_imports(monkeypatch):
         args = throughput.build_parser().parse_args(flags)
         assert module == "throughput" and args.peers == ["llamacpp"] and args.tag == name
         precisions.engine_options(precisions.get_precision(args.precision))  # runnable here
+
+
+def test_throughput_skips_llamacpp_with_its_reason(tiny_llama, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(llamacpp, "unavailable_reason", lambda: "llama_cpp is not importable")
+    argv = ["--model", tiny_llama, "--batch-sizes", "2", "--input-len", "4", "--output-len", "3"]
+    argv += ["--repeats", "1", "--peers", "llamacpp", "--output-dir", str(tmp_path)]
+    payload = throughput.run(_throughput_args(*argv))
+    assert payload["skipped_peers"] == {"llamacpp": "llama_cpp is not importable"}
+    assert "skipping peer llamacpp: llama_cpp is not importable" in capsys.readouterr().out
+    assert set(payload["results"][0]["systems"]) == {"pagedspec"}
+    assert payload["precision"]["gguf_type"] == "F32"
+    assert "- llamacpp skipped: llama_cpp is not importable" in report.section(payload, "t.json")
