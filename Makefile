@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 DRY := build/gpu-dry-run
 
-.PHONY: setup test lint demo serve bench clean gpu-wheels gpu-dry-run
+LLAMA_CPP := llama-cpp-python==0.3.36
+
+.PHONY: setup test lint demo serve bench bench-peers clean gpu-wheels gpu-dry-run
 
 setup: $(STAMP)
 
@@ -42,6 +44,13 @@ serve: setup
 
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+# llama.cpp as a peer (issue 17): pip builds llama-cpp-python from source (its default CPU
+# build, about 13 minutes on 2 cores) unless it already imports; not part of setup or test, so
+# CI never builds it. Then the llama.cpp throughput runs and the accuracy table, and RESULTS.md.
+bench-peers: setup
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install $(LLAMA_CPP)
+	$(PY) -m benchmarks.run_all --peers-only
 
 # .whl/: the Python 3.12 wheels benchmarks/gpu_check.sh installs on a bare GPU machine (README).
 gpu-wheels: setup

@@ -9,6 +9,10 @@ from pathlib import Path
 
 # Issue 4's CPU targets: (batch size, peer, minimum pagedspec / peer generated tokens/s).
 THROUGHPUT_TARGETS = ((1, "hf-static", 1.5), (32, "hf-static", 2.0), (32, "hf-batch", 3.0))
+# Issue 17: pagedspec / llama.cpp generated tokens/s at the same weight precision, per batch
+# size, for the precisions it names (Q4_1 as shipped has none: pagedspec runs it in fp32).
+LLAMACPP_TARGETS = ((1, 1.0), (32, 2.0))
+LLAMACPP_TARGET_PRECISIONS = ("fp32", "bf16", "int8")
 # Speculation (grounded workload: the best ngram k against no speculation and against HF's best
 # prompt-lookup k; the sweeps' batches: the engine default against no speculation).
 SPEC_VS_OURS, SPEC_VS_HF_LOOKUP, SPEC_LARGE_BATCH = 1.8, 1.2, 0.95
@@ -19,7 +23,8 @@ EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
 # saturation (all requests at once), pagedspec's output tokens/s / the peer's at least this.
 SERVING_TTFT_P99, SERVING_THROUGHPUT = 2.0, 2.0
 SERVING_PEER = "transformers"
-EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"none-t": "no speculation",
+EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
+    "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
 
@@ -88,6 +93,7 @@ def render_throughput(p: dict) -> list[str]:
         f"- each system's fastest of {cfg.get('repeats', 1)} timed runs (the systems take turns; "
         "pagedspec from a fresh engine each run, so no run hits the prefix cache)",
         f"- weights: {p['weights_note']}",
+        *_precision_notes(p),
         f"- measured ceilings: copy {rates['bandwidth_gbs']:.1f} GB/s, {rates['dtype']} GEMM "
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
         f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
@@ -111,6 +117,52 @@ def render_throughput(p: dict) -> list[str]:
         after += [f"![throughput]({{results}}/{p['plot']})", ""]
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
     return _section(title, notes, columns, rows, after)
+
+
+def _precision_notes(p: dict) -> list[str]:
+    """The throughput run's --precision and its llama.cpp peer (file, build) or why skipped."""
+    notes, q = [], p.get("precision")
+    if q:
+        quant = f", quantization={q['quantization']}" if q["quantization"] else ""
+        notes.append(f"- precision {q['name']}: pagedspec dtype={q['dtype']}{quant}; llama.cpp "
+                     f"{q['gguf_type']} ({q['note']})")  # fmt: skip
+    for name, info in p.get("peers", {}).items():
+        notes.append(f"- {name}: llama-cpp-python {info['version']} built from source, "
+                     f"`llama_batch` continuous batching, one sequence id per request, "
+                     f"{info['gguf_type']} GGUF written by its own quantizer from the shipped "
+                     f"file (`{os.path.basename(info['gguf'])}`)")  # fmt: skip
+    notes += [f"- {name} skipped: {why}" for name, why in p.get("skipped_peers", {}).items()]
+    return notes
+
+
+def render_accuracy(p: dict) -> list[str]:
+    text, prompts = p["text"], p["prompts"]
+    notes = [
+        *_machine(p),
+        f"- greedy agreement with pagedspec fp32: {prompts['num']} fixture prompts (HF test "
+        f"prompts + examples/prompts.jsonl), {prompts['max_tokens']} tokens each, EOS ignored; "
+        "'identical': share of outputs equal to fp32's; 'prefix': mean common-prefix tokens",
+        f"- perplexity: `benchmarks/data/{text['file']}` ({text['tokens']} tokens), "
+        f"{text['windows']} non-overlapping windows of {p['config']['window']}, "
+        f"{text['scored_tokens']} scored tokens; pagedspec teacher-forced through its "
+        "ModelRunner, llama.cpp one batch per window",
+        "- llama.cpp: " + (f"llama-cpp-python {p['llamacpp']['version']}, GGUF files written by "
+                           "its quantizer from the shipped Q4_1" if "version" in p["llamacpp"]
+                           else f"unavailable: {p['llamacpp']['error']}"),
+    ]  # fmt: skip
+    rows = []
+    for r in p["rows"]:
+        rows.append({"r": r} | {f"{k}_error": f"unavailable: {r[k]['error']}"
+                                for k in ("pagedspec", "llamacpp") if "error" in r[k]})  # fmt: skip
+    columns = (
+        "precision={r[precision]} | pagedspec weights={r[pagedspec_weights]} | "
+        "identical={pagedspec_error}{r[pagedspec][identical]:.0%} | "
+        "prefix={r[pagedspec][mean_common_prefix]:.1f} | "
+        "perplexity={r[pagedspec][perplexity]:.3f} | "
+        "llama.cpp={r[gguf_type]} | identical={llamacpp_error}{r[llamacpp][identical]:.0%} | "
+        "prefix={r[llamacpp][mean_common_prefix]:.1f} | perplexity={r[llamacpp][perplexity]:.3f}"
+    )
+    return _section(f"Accuracy by weight precision: {p['model']}", notes, columns, rows)
 
 
 def render_latency(p: dict) -> list[str]:
@@ -142,7 +194,8 @@ SWEEP_COLUMNS = (
 EAGLE_COLUMNS = (
     "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
-    "{r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "{r[mean_accepted_length]:.2f} | drafts/verification={drafts:.2f} | "
+    "acceptance by draft position={by_position} | "
     "same tokens={r[same_tokens_as_reference]:.0%}"
 )
 
@@ -206,6 +259,8 @@ def _render_eagle(e: dict) -> list[str]:
     reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
     rows = [{"label": EAGLE_LABELS[name], "r": r,
              "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+             "drafts": (r["mean_accepted_length"] - 1) / r["acceptance_rate"]
+             if r.get("acceptance_rate") else 0.0,
              "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
             for name, r in runs.items()]  # fmt: skip
     return [
@@ -356,8 +411,8 @@ def render_run_all(p: dict) -> list[str]:
 
 
 # benchmark name: its renderer, in the page's order.
-NAMES = ("throughput", "latency", "spec_decode", "serving", "soak", "block_manager", "linear",
-         "kernels", "run_all")  # fmt: skip
+NAMES = ("throughput", "accuracy", "latency", "spec_decode", "serving", "soak", "block_manager",
+         "linear", "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -370,6 +425,11 @@ def targets(p: dict) -> list[dict]:
             if peer in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec vs {peer}"
                 found.append((name, ratios[b][peer], least))
+        q = p.get("precision") or {}
+        for b, least in LLAMACPP_TARGETS * (q.get("name") in LLAMACPP_TARGET_PRECISIONS):
+            if "llamacpp" in ratios.get(b, {}):
+                name = f"throughput, batch {b}: pagedspec {q['name']} vs llama.cpp {q['gguf_type']}"
+                found.append((name, ratios[b]["llamacpp"], least))
     grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.
@@ -392,7 +452,8 @@ def targets(p: dict) -> list[dict]:
         sampled = (acc["eagle-t"] or 0) / acc["eagle-t-argmax"] if acc["eagle-t-argmax"] else None
         found += [
             (f"eagle: tokens per verification, k={e['k']}, greedy",
-             e["runs"]["eagle"].get("mean_accepted_length"), EAGLE_TOKENS_PER_ROUND, ""),
+             e["runs"].get("eagle-k4", e["runs"]["eagle"]).get("mean_accepted_length"),
+             EAGLE_TOKENS_PER_ROUND, ""),
             ("eagle: speedup vs no speculation, greedy", tps["eagle"] / tps["none"], EAGLE_SPEEDUP),
             ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
              EAGLE_SPEEDUP_SAMPLED),

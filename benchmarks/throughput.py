@@ -6,7 +6,10 @@ requests behind the running ones). Generated and total tokens/s, requests/s, TTF
 submission; pagedspec's KV blocks, preemptions and share of the measured decode ceiling. Peers:
 ``hf-static``, ``generate`` over static left-padded batches of B, each run to its longest output
 (only each request's own tokens count); ``hf-batch``, HF's paged continuous batching driven
-directly (each request its own length), at most B requests and MAX_BATCH_TOKENS per step.
+directly (each request its own length), at most B requests and MAX_BATCH_TOKENS per step;
+``llamacpp`` (when ``llama_cpp`` imports; ``make bench-peers``), llama.cpp's ``llama_batch``
+continuous batching, one sequence id per request as llama-server runs it, on the GGUF its own
+quantizer wrote at the precision matching pagedspec's (``--precision``, benchmarks.precisions).
 
 Latency (--latency): pagedspec without and with ngram k=4; each iteration submits B grounded chat
 prompts, each making --output-len tokens, after --warmup-iters untimed ones; TTFT, TPOT and
@@ -22,11 +25,13 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from benchmarks import workload
+from benchmarks import llamacpp, workload
+from benchmarks.precisions import PRECISIONS, Precision, engine_options, get_precision
 from benchmarks.timing import RequestTiming, quantiles, run_engine, summarize, time_calls, ttft_tpot
 from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, make_workload
 
-PEERS = ("hf-static", "hf-batch")
+HF_PEERS = ("hf-static", "hf-batch")
+PEERS = (*HF_PEERS, "llamacpp")
 MAX_BATCH_TOKENS = 2048
 
 
@@ -119,6 +124,32 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
     return timings
 
 
+def run_llamacpp(path: str, warm: list, timed: list, batch_size: int) -> list[RequestTiming]:
+    """llama.cpp on a fresh context (a KV stream per sequence, long enough for the longest
+    request): ``warm`` first, then ``timed`` measured."""
+    longest = max(len(r.prompt_ids) + r.output_len for r in warm + timed)
+    threads = torch.get_num_threads()
+    llama = llamacpp.LlamaCpp(path, batch_size, -(-longest // 256) * 256, MAX_BATCH_TOKENS, threads)
+    try:
+        llamacpp.run_batched(llama, warm, batch_size)
+        return llamacpp.run_batched(llama, timed, batch_size)[0]
+    finally:
+        llama.close()
+
+
+def pick_precision(args) -> Precision | None:
+    """--precision's row (its dtype becomes --dtype), else the unquantized row of --dtype."""
+    if args.precision is not None:
+        p = get_precision(args.precision)
+        if args.dtype not in ("auto", p.dtype):
+            raise ValueError(f"--dtype {args.dtype} contradicts --precision {p.name} ({p.dtype})")
+        args.dtype = p.dtype
+        return p
+    dtype = workload.resolve_device(args.device, args.dtype)[1]
+    rows = (p for p in PRECISIONS.values() if p.quantization is None)
+    return next((p for p in rows if getattr(torch, p.dtype) == dtype), None)
+
+
 DUMMY_NOTE = "dummy weights: random, of the same config, for pagedspec and the HF peers (with "
 DUMMY_NOTE += "ignore_eos the work, hence the throughput, does not depend on their values)"
 
@@ -166,14 +197,29 @@ def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
     return 1e9 * batch_size / max(read_s, compute_s)
 
 
-def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
+def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | None) -> dict:
     """The sweep over batch sizes, pagedspec and the peers taking turns at each."""
     device, dtype = workload.resolve_device(args.device, args.dtype)
     input_len = workload.parse_range(args.input_len, "input_len")
     output_len = workload.parse_range(args.output_len, "output_len")
+    options = engine_options(precision) if precision else {}  # ValueError if not in the engine
+    quantization = {k: v for k, v in options.items() if k != "dtype"}
     others, rates = args.peers, device_rates(device, dtype)
-    cost = model_cost(spec.config, dtype, args.quantization)
-    hf_model = others and load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
+    cost = model_cost(spec.config, dtype, options.get("quantization"))
+    skipped, peer_info = {}, {}
+    if "llamacpp" in others:
+        reason = llamacpp.unavailable_reason()
+        if reason is None and precision is None:
+            reason = f"no precision row for dtype {dtype}; pass --precision"
+        if reason is not None:  # skipped with its reason, not faked
+            print(f"skipping peer llamacpp: {reason}", flush=True)
+            others, skipped["llamacpp"] = [p for p in others if p != "llamacpp"], reason
+        else:
+            path = llamacpp.gguf_file(precision.gguf_type, llamacpp.source_gguf(spec))
+            peer_info["llamacpp"] = {"version": llamacpp.version(), "gguf": path,
+                                     "gguf_type": precision.gguf_type}  # fmt: skip
+    uses_hf = any(p in HF_PEERS for p in others)
+    hf_model = uses_hf and load_hf_model(spec.hf_path, spec.config, dtype, device, args.seed)
     requests = make_workload(max(batch_sizes) * args.waves, input_len, output_len, spec, args.seed)
     results = []
     for b in batch_sizes:
@@ -187,7 +233,7 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
         # run; ours from a fresh engine each round, so no round hits the prefix cache.
         runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
-            engine = make_engine(spec, args, b, blocks)
+            engine = make_engine(spec, args, b, blocks, **quantization)
             run_engine(engine, warm)
             measured = run_engine(engine, timed)
             del engine
@@ -195,9 +241,12 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
-                    run = {"hf-static": run_hf_static, "hf-batch": run_hf_batch}[p]
-                    run(hf_model, warm, b)
-                    timings = run(hf_model, timed, b)
+                    if p == "llamacpp":
+                        timings = run_llamacpp(peer_info[p]["gguf"], warm, timed, b)
+                    else:
+                        run = {"hf-static": run_hf_static, "hf-batch": run_hf_batch}[p]
+                        run(hf_model, warm, b)
+                        timings = run(hf_model, timed, b)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
@@ -216,9 +265,13 @@ def run_throughput(args, spec, batch_sizes: list[int]) -> dict:
         done = ", ".join(f"{n} {s.get('output_tokens_per_s', 0):.1f}" for n, s in systems.items())
         print(f"batch {b}: generated tokens/s {done}; decode ceiling {ceiling:.0f}", flush=True)
     same = f"pagedspec and the HF peers load the same checkpoint ({spec.hf_path})"
+    same = same if uses_hf else f"pagedspec loads {spec.hf_path}"
     model = {"name": spec.name, "load_format": spec.load_format} | cost
     note = DUMMY_NOTE if spec.load_format == "dummy" else same
-    return {"model": model, "weights_note": note, "roofline": rates, "results": results}
+    extra = {"precision": vars(precision)} if precision else {}
+    extra |= {"peers": peer_info} if peer_info else {}
+    extra |= {"skipped_peers": skipped} if skipped else {}
+    return {"model": model, "weights_note": note, "roofline": rates, "results": results} | extra
 
 
 def run_latency(args, spec, batch_sizes: list[int]) -> dict:
@@ -257,12 +310,18 @@ def run(args: argparse.Namespace) -> dict:
     spec = workload.resolve_model(args.model, args.load_format, args.model_config)
     batch_sizes = workload.parse_int_list(args.batch_sizes, "batch_sizes")
     kind = "latency" if args.latency else "throughput"
+    precision = pick_precision(args)  # sets --dtype from --precision
+    if args.latency and precision and precision.quantization:
+        raise ValueError("--latency runs unquantized weights: --precision must be fp32 or bf16")
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
     config |= {"batch_sizes": batch_sizes}
     machine = workload.machine_info(device, "benchmarks.throughput")
     payload = {"benchmark": kind, "machine": machine, "config": config}
-    payload |= (run_latency if args.latency else run_throughput)(args, spec, batch_sizes)
+    if args.latency:
+        payload |= run_latency(args, spec, batch_sizes)
+    else:
+        payload |= run_throughput(args, spec, batch_sizes, precision)
     workload.save(payload, args.output_dir, args.tag or kind, None if args.latency else plot)
     return payload
 
@@ -291,13 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
-    add("--peers", default=list(PEERS), type=lambda t: [p for p in t.split(",") if p],
+    add("--peers", default=list(HF_PEERS), type=lambda t: [p for p in t.split(",") if p],
         help=f"among {PEERS}; '' for none")  # fmt: skip
+    add("--precision", choices=sorted(PRECISIONS), default=None,
+        help="weights of pagedspec and llama.cpp (benchmarks.precisions)")  # fmt: skip
     add("--warmup-iters", type=int, default=2, help="latency: untimed iterations first")
     add("--iters", type=int, default=5, help="latency: measured iterations")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     add("--tensor-parallel-size", type=int, default=1, help="ranks (CPU threads split among them)")
-    add("--quantization", choices=("int8",), help="pagedspec's weights (int8: GGUF Q8_0, CPU)")
     return parser
 
 

@@ -118,15 +118,12 @@ def kv_blocks_needed(requests: list[BenchRequest], batch_size: int, k: int) -> i
 
 
 def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options) -> LLMEngine:
-    """An engine for ``spec`` at ``args``' dtype, device, seed, TP size, quantization;
-    ``options``: more."""
-    tp = getattr(args, "tensor_parallel_size", 1)  # flags of throughput.py only
-    quantization = getattr(args, "quantization", None)
+    """An engine for ``spec`` at ``args``' dtype, device, seed, TP size; ``options``: more."""
+    tp = getattr(args, "tensor_parallel_size", 1)  # a flag of throughput.py only
     fields = dict(model=spec.engine_model, load_format=spec.load_format, seed=args.seed)
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
     fields |= dict(attention_backend=args.attention_backend)
     fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks, tensor_parallel_size=tp)
-    fields |= dict(quantization=quantization)
     return LLMEngine(EngineConfig(**fields, **options))
 
 

@@ -9,6 +9,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. "int8": weight-only GGUF Q8_0 (engine.models.quant), CPU float32.
 QUANTIZATIONS = (None, "int8")
+# The shipped head's chain stop, chosen on held-out chat (benchmarks/spec_decode.py and the
+# offline estimate in RESULTS.md): at k=4 it drafts ~1.6 tokens a round instead of 4 and keeps
+# ~90% of the accepted ones (offline estimate).
+DEFAULT_MIN_DRAFT_CONFIDENCE = 0.3
+DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,16 @@ class SpeculativeConfig:
 
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
     drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
-    drafts every step.
+    drafts every step. None: 16, and 0 for eagle, whose chain stop already drafts little where
+    the head is unsure (replaying the shipped head's held-out chat rounds, a 16-step backoff
+    on top of the stop lost 8% of the speed-up: estimated 1.07x instead of 1.17x at batch 1).
+
+    ``min_draft_confidence``: a draft model or head stops a sequence's chain once the product
+    of its drafts' top-1 probabilities falls below this (EAGLE-2's dynamic draft length: a
+    draft past that point is rarely accepted and costs a drafter forward and a verified row);
+    the first draft is always made. None: ``DEFAULT_MIN_DRAFT_CONFIDENCE`` for eagle, 0 (every
+    chain runs to k) for a draft model. Which drafts are made depends on q alone, never on
+    the target's p, so verification stays exact.
     """
 
     method: str = "ngram"
@@ -38,10 +52,11 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     disable_batch_size: int = 16
-    max_draft_skip: int = 16
+    max_draft_skip: int | None = None
     # A draft model or head samples its drafts from q at temperature > 0 (verified by
     # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
     sample_drafts: bool = True
+    min_draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -51,12 +66,30 @@ class SpeculativeConfig:
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max must be an integer >= ngram_min, got {self.ngram_max!r}")
         _positive("disable_batch_size", self.disable_batch_size)
-        if not isinstance(self.max_draft_skip, int) or self.max_draft_skip < 0:
-            raise ValueError(f"max_draft_skip must be an integer >= 0, got {self.max_draft_skip!r}")
+        skip = self.max_draft_skip
+        if skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0):
+            raise ValueError(f"max_draft_skip must be an integer >= 0, got {skip!r}")
         if not isinstance(self.sample_drafts, bool):
             raise ValueError(f"sample_drafts must be a bool, got {self.sample_drafts!r}")
+        c = self.min_draft_confidence
+        if c is not None and not (isinstance(c, int | float) and 0.0 <= c <= 1.0):
+            raise ValueError(f"min_draft_confidence must be in [0, 1], got {c!r}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft_model is required when method='draft'")
+
+    @property
+    def draft_skip(self) -> int:
+        """``max_draft_skip`` with its per-method default filled in."""
+        if self.max_draft_skip is not None:
+            return self.max_draft_skip
+        return 0 if self.method == "eagle" else DEFAULT_MAX_DRAFT_SKIP
+
+    @property
+    def draft_confidence(self) -> float:
+        """``min_draft_confidence`` with its per-method default filled in."""
+        if self.min_draft_confidence is not None:
+            return float(self.min_draft_confidence)
+        return DEFAULT_MIN_DRAFT_CONFIDENCE if self.method == "eagle" else 0.0
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -161,6 +161,8 @@ def test_speculative_sampling_follows_the_target_joint_law(
         # the premise: many verification rounds, with both acceptances and rejections
         assert stats.num_draft_tokens > NUM_SAMPLES
         assert 0.03 < stats.acceptance_rate < 0.97, stats
+    if method == "eagle":  # the default chain stop (min_draft_confidence) ends some chains early
+        assert 1.2 < stats.num_draft_tokens / stats.num_verifications < 2.8, stats
     # tokens 1..3 (every one of them drafted and verified at least some of the time), jointly
     stat, threshold, df = chi_square_test(counts.sum(0), law.sum(0), P_VALUE)
     assert stat < threshold, f"tokens 1..3: chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"

@@ -9,7 +9,8 @@ import torch
 from conftest import build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, SpeculativeConfig
+from engine.config import DEFAULT_MAX_DRAFT_SKIP, DEFAULT_MIN_DRAFT_CONFIDENCE
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.proposers import NgramProposer, Proposal
 
@@ -157,6 +158,39 @@ def test_draft_model_greedy_equals_plain_greedy(tiny_llama, partial_draft, plain
     assert min(stats.accepted_by_position) > 0  # accepted drafts at every position
     if kwargs["num_kv_blocks"] == 14:
         assert stats.num_preemptions > 0
+
+
+def test_draft_confidence_shortens_chains_and_keeps_greedy_output(tiny_llama, partial_draft, plain):
+    """min_draft_confidence stops a chain once the product of its drafts' top-1 probabilities
+    drops below it (the first draft is always made): 1 keeps one draft a round, 0 every k, a
+    middle value chains of several lengths; the output is the same every time."""
+    drafts_per_round = []
+    for confidence in (0.0, 0.03, 1.0):
+        spec = draft_spec(partial_draft, k=4) | {"min_draft_confidence": confidence}
+        llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=spec)
+        assert generate(llm) == plain
+        stats = llm.llm_engine.get_stats()
+        drafts_per_round.append(stats.num_draft_tokens / stats.num_verifications)
+    full, middle, one = drafts_per_round
+    assert one == 1.0 and full > 3.5, drafts_per_round
+    assert 1.2 < middle < full - 0.3, drafts_per_round
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "high"])
+def test_draft_confidence_out_of_range_is_rejected(value):
+    with pytest.raises(ValueError, match=r"min_draft_confidence must be in \[0, 1\]"):
+        SpeculativeConfig(min_draft_confidence=value)
+
+
+def test_draft_confidence_and_backoff_defaults_per_method():
+    eagle, draft = SpeculativeConfig(method="eagle"), SpeculativeConfig("draft", draft_model="x")
+    assert eagle.draft_confidence == DEFAULT_MIN_DRAFT_CONFIDENCE > 0 and eagle.draft_skip == 0
+    assert draft.draft_confidence == 0.0 and draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
+    assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram
+    explicit = SpeculativeConfig(method="eagle", min_draft_confidence=0, max_draft_skip=4)
+    assert explicit.draft_confidence == 0.0 and explicit.draft_skip == 4
+    with pytest.raises(ValueError, match="max_draft_skip must be an integer >= 0"):
+        SpeculativeConfig(max_draft_skip=-1)
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, plain):

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import cli
+from engine.spec_decode.train_eagle import cli, losses
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -187,7 +187,14 @@ def test_training_script_end_to_end(tmp_path):
     torch.testing.assert_close(head.lm_head.weight, sd["lm_head.weight"].float())
     first, last = manifest["training"]["first_logged"], manifest["training"]["last_logged"]
     assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
-    assert len(manifest["eval"]["heldout_chat"]["acc_greedy"]) == 3
+    chat = manifest["eval"]["heldout_chat"]
+    assert len(chat["acc_greedy"]) == 3
+    # chain stops: a higher threshold drafts no more and accepts no more than a lower one
+    stops = [chat["chain_stop"][str(tau)] for tau in losses.CHAIN_STOPS]
+    drafts = [s["drafts_per_round"] for s in stops]
+    tokens = [s["tokens_per_round"] for s in stops]
+    assert drafts[0] <= 3 and drafts == sorted(drafts, reverse=True) and 1 <= drafts[-1] < 3
+    assert chat["tokens_per_round"] >= tokens[0] and tokens == sorted(tokens, reverse=True)
     assert manifest["data"]["sequences"] == 12
     assert json.loads((out / "manifest.json").read_text())["command"].endswith("3")
     # a re-run resumes everything from the work dir: nothing is regenerated or retrained

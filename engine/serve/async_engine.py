@@ -1,7 +1,7 @@
 """``LLMEngine`` behind asyncio: one background thread owns the engine and runs its steps.
 
 Handlers never touch the engine. They post commands (add, abort) that the engine thread applies
-between steps, and each request's outputs come back on its own ``asyncio.Queue``, fed from the
+between steps, and each request's outputs come back through an ``OutputMailbox``, fed from the
 engine thread with ``call_soon_threadsafe``. An add answers through a future, so a prompt or
 sampling parameter the engine rejects raises ``ValueError`` in the handler. An abort frees the
 request's KV blocks before the next step runs.
@@ -24,6 +24,35 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class OutputMailbox:
+    """Where the engine thread leaves outputs for one handler (one or more requests): only each
+    request's newest unread output is kept. Outputs are cumulative, so the newest holds all an
+    older unread one did; a client that reads slowly (a stalled stream) costs one output per
+    request, not one per step (which, each holding every token so far, grew quadratically).
+    Requests are read in the order their first unread output arrived; an error is read after
+    the outputs already there. Event-loop side only."""
+
+    _ERROR = object()  # the key an exception is kept under
+
+    def __init__(self) -> None:
+        self._unread: dict[object, RequestOutput | BaseException] = {}
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._unread)
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        key = self._ERROR if isinstance(item, BaseException) else item.request_id
+        self._unread[key] = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._unread:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._unread.pop(next(iter(self._unread)))
+
+
 class QueueFullError(Exception):
     """More requests are waiting than the server's bound allows."""
 
@@ -37,7 +66,7 @@ class _Add:
     request_id: str
     prompt: PromptType
     params: SamplingParams
-    queue: asyncio.Queue
+    mailbox: OutputMailbox
     done: concurrent.futures.Future
 
 
@@ -48,7 +77,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Condition()
         self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
-        self._queues: dict[str, asyncio.Queue] = {}  # engine thread only
+        self._mailboxes: dict[str, OutputMailbox] = {}  # engine thread only
         self._stats = engine.get_stats()  # replaced after every step, read by anyone
         self._pending_adds = 0  # posted but not applied; guarded by _wake
         self._stopping = False
@@ -73,9 +102,9 @@ class AsyncEngine:
             return self._stats.num_waiting + self._pending_adds
 
     async def add(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, queue: asyncio.Queue
+        self, request_id: str, prompt: PromptType, params: SamplingParams, mailbox: OutputMailbox
     ) -> None:
-        """Add a request whose outputs (or an exception) will be put on ``queue``. Raises
+        """Add a request whose outputs (or an exception) will be left in ``mailbox``. Raises
         ValueError (the engine rejected it), QueueFullError or EngineDeadError. Cancelled
         while the engine thread adds it, it is aborted right after."""
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -85,7 +114,7 @@ class AsyncEngine:
             if self._stats.num_waiting + self._pending_adds >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             self._pending_adds += 1
-            self._commands.append(_Add(request_id, prompt, params, queue, done))
+            self._commands.append(_Add(request_id, prompt, params, mailbox, done))
             self._wake.notify()
         try:
             await asyncio.wrap_future(done)
@@ -140,7 +169,7 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, str):
                 self.engine.abort_request(command)  # False when it already finished
-                self._queues.pop(command, None)
+                self._mailboxes.pop(command, None)
                 continue
             self._pending_adds -= 1
             try:
@@ -148,7 +177,7 @@ class AsyncEngine:
             except Exception as error:  # noqa: BLE001 - handed to the request's handler
                 command.done.set_exception(error)
                 continue
-            self._queues[command.request_id] = command.queue
+            self._mailboxes[command.request_id] = command.mailbox
             command.done.set_result(None)
 
     def _refuse(self, commands: list[_Add | str]) -> None:
@@ -161,12 +190,12 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         items = []
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is None:  # aborted by its handler: nobody listens
+            mailbox = self._mailboxes.get(out.request_id)
+            if mailbox is None:  # aborted by its handler: nobody listens
                 continue
             if out.finished:
-                del self._queues[out.request_id]
-            items.append((queue, out))
+                del self._mailboxes[out.request_id]
+            items.append((mailbox, out))
         if items:
             self._loop.call_soon_threadsafe(_put_all, items)
 
@@ -175,12 +204,12 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
         self.engine.step()  # returns the aborts' outputs; their blocks are already free
         self._stats = self.engine.get_stats()
-        items = [(queue, error) for queue in self._queues.values()]
-        self._queues.clear()
+        items = [(mailbox, error) for mailbox in self._mailboxes.values()]
+        self._mailboxes.clear()
         if items:
             self._loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[OutputMailbox, RequestOutput | BaseException]]) -> None:
+    for mailbox, item in items:
+        mailbox.put_nowait(item)

@@ -47,8 +47,11 @@ HELP = {
     "ngram_min": "shortest n-gram the n-gram proposer matches",
     "ngram_max": "longest n-gram the n-gram proposer matches",
     "disable_batch_size": "no speculation in steps with this many sequences running or waiting",
-    "max_draft_skip": "most steps a sequence skips drafting after a failed round",
+    "max_draft_skip": "most steps a sequence skips drafting after a failed round "
+    "(default: 16, 0 for eagle)",
     "sample_drafts": "draft models sample drafts at temperature > 0 (else argmax)",
+    "min_draft_confidence": "stop a draft chain below this product of top-1 draft "
+    "probabilities (default: 0.3 for eagle, 0 for draft)",
 }
 SKIPPED = {"speculative_config"}  # set through the SpeculativeConfig flags
 DEFAULTS = {"method": None}  # speculation is off unless --speculative-method is given

@@ -1,6 +1,7 @@
 """The engine requests behind one HTTP request (one per prompt), read as one stream.
 
-They share one asyncio queue, so their outputs arrive interleaved in engine order. Whatever
+They share one mailbox (``OutputMailbox``: the newest unread output of each), so their outputs
+arrive interleaved in engine order. Whatever
 ends the HTTP request (done, error, disconnect, cancellation) calls ``close``, which aborts the
 ones still running: their KV blocks are freed before the engine's next step. Latency and token
 metrics are recorded here, where every output passes.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
-from engine.serve.async_engine import AsyncEngine
+from engine.serve.async_engine import AsyncEngine, OutputMailbox
 from engine.serve.metrics import ServerMetrics
 
 
@@ -34,7 +35,7 @@ class RequestGroup:
     metrics: ServerMetrics
     request_ids: list[str]
     n: int  # choices per request
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    mailbox: OutputMailbox = field(default_factory=OutputMailbox)
     unfinished: set[str] = field(default_factory=set)
     timings: dict[str, _Timing] = field(default_factory=dict)
 
@@ -52,7 +53,7 @@ class RequestGroup:
         group = cls(engine, metrics, [f"{base}-{i}" for i in range(len(prompts))], params.n)
         now = time.perf_counter()
         adds = [
-            engine.add(rid, prompt, params, group.queue)
+            engine.add(rid, prompt, params, group.mailbox)
             for rid, prompt in zip(group.request_ids, prompts, strict=True)
         ]
         added = await asyncio.gather(*adds, return_exceptions=True)
@@ -69,7 +70,7 @@ class RequestGroup:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Every output of every request until all have finished."""
         while self.unfinished:
-            item = await self.queue.get()
+            item = await self.mailbox.get()
             if isinstance(item, BaseException):
                 raise item
             if item.finished:

@@ -68,9 +68,10 @@ class EagleProposer:
     runs_every_span = True
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, seed: int) -> None:
+    def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0) -> None:
         self.runner = runner
         self.head = runner.model
+        self.min_confidence = min_confidence
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._states: dict[int, _State] = {}
 
@@ -99,7 +100,9 @@ class EagleProposer:
             return logits
 
         first_features = torch.cat(features)
-        drafts, sampled = chain_drafts(scheduled, ks, params, spans, forward, self._draw, written)
+        drafts, sampled = chain_drafts(
+            scheduled, ks, params, spans, forward, self._draw, written, self.min_confidence
+        )
         return Proposal(drafts, sampled, written)
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
@@ -118,11 +121,14 @@ class EagleProposer:
 
     def _draw(
         self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]]
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
-        (zero outside the draft vocabulary)."""
+        (zero outside the draft vocabulary); None when every row is greedy, as verification
+        then reads no q (at batch 1 building it was a fifth of a draft step)."""
         d2t = self.head.d2t
         ids, q_draft = draw_drafts(logits, rows, self.generator, d2t)
+        if all(history.params.greedy for history, _ in rows):
+            return d2t[ids].tolist(), None
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
         q[:, d2t] = q_draft
         return d2t[ids].tolist(), q

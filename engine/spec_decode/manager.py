@@ -26,7 +26,7 @@ class SpeculationManager:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer
-        self.backoff = DraftBackoff(config.max_draft_skip if config else 0)
+        self.backoff = DraftBackoff(config.draft_skip if config else 0)
         self.num_lookahead_slots = config.num_speculative_tokens if config else 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

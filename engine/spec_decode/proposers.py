@@ -133,9 +133,10 @@ class DraftModelProposer:
     runs_every_span = True
     needs_target_hidden = False
 
-    def __init__(self, runner: ModelRunner, seed: int):
+    def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0):
         self.runner = runner
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self.min_confidence = min_confidence
         self._valid: dict[int, int] = {}  # seq_id → tokens whose draft KV is valid
 
     def propose(
@@ -160,7 +161,9 @@ class DraftModelProposer:
             ids, q = draw_drafts(logits, rows, self.generator)
             return ids.tolist(), q
 
-        drafts, sampled = chain_drafts(scheduled, ks, params, spans, forward, draw, written)
+        drafts, sampled = chain_drafts(
+            scheduled, ks, params, spans, forward, draw, written, self.min_confidence
+        )
         return Proposal(drafts, sampled, written)
 
     def commit(
@@ -227,7 +230,9 @@ def draw_drafts(
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
-Draw = Callable[[torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor]]
+Draw = Callable[
+    [torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor | None]
+]
 
 
 def chain_drafts(
@@ -238,15 +243,18 @@ def chain_drafts(
     forward: Forward,
     draw: Draw,
     written: dict[int, tuple[int, list[int]]],
+    min_confidence: float = 0.0,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Chain drafting shared by the draft model and the EAGLE head: ``forward(spans, owners)``
     runs the drafter (``owners[j]`` = the scheduled index of span j; the first call gets
     ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
-    in ``written``) until sequence i has ``ks[i]`` drafts. Returns the drafts and, per
-    sequence, q stacked where the drafts were sampled (None where argmax)."""
+    in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
+    probabilities (softmax of the raw logits) falls below ``min_confidence``. Returns the
+    drafts and, per sequence, q stacked where the drafts were sampled (None where argmax)."""
     drafts: list[list[int]] = [[] for _ in scheduled]
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
+    confidence = [1.0] * len(scheduled)
     active = [i for i, k in enumerate(ks) if k]
     logits = forward(spans, list(range(len(spans))))
     step = 0
@@ -254,10 +262,15 @@ def chain_drafts(
         rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
                 for i in active]  # fmt: skip
         tokens, q = draw(logits, rows)
+        if min_confidence > 0:
+            top = torch.softmax(logits.float(), -1).amax(-1).tolist()
+            for j, i in enumerate(active):
+                confidence[i] *= top[j]
         for j, i in enumerate(active):
             drafts[i].append(tokens[j])
-            probs[i].append(q[j])
-        active = [i for i in active if len(drafts[i]) < ks[i]]
+            if q is not None:  # None: every row greedy, and greedy drafts keep no q
+                probs[i].append(q[j])
+        active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= min_confidence]
         if not active:
             break
         spans = []

@@ -38,6 +38,10 @@ def head_loss(head, batch: dict, steps: int, noise: float, ce_weight: float, dec
     return total, metrics
 
 
+# min_draft_confidence values the evaluation reports (engine.config.DEFAULT_MIN_DRAFT_CONFIDENCE)
+CHAIN_STOPS = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
 @torch.no_grad()
 def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -> dict:
     """Held-out metrics of the head run without noise for ``steps`` unrolled steps:
@@ -49,7 +53,9 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
     - on greedy conversations only, where the data is the target's own greedy chain:
       ``chain_accept[s]`` = share of draft rounds whose first s+1 drafts all match the target's
       argmax and ``tokens_per_round`` = 1 + sum of them (expected tokens per verification at
-      k = steps, with chain drafts and greedy verification)."""
+      k = steps, with chain drafts and greedy verification);
+      ``chain_stop[tau]``: drafts and tokens per round when a chain stops once the product of
+      its drafts' top-1 probabilities falls below tau (``min_draft_confidence``)."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
 
@@ -70,9 +76,11 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
         ce = F.cross_entropy(head.lm_head(h0)[known], labels[known], reduction="sum")
         add("ce", ce, int(known.sum()))
         target_argmax = (feats @ target_head.T).argmax(-1)
-        hits = []
+        hits, confs = [], []
         for s, h in enumerate(outs):
-            draft = d2t[head.lm_head(h).argmax(-1)]
+            logits = head.lm_head(h)
+            draft = d2t[logits.argmax(-1)]
+            confs.append(logits.softmax(-1).amax(-1))
             ok = mask & (torch.arange(mask.shape[1]) >= s)
             add(f"acc_next_{s}", (draft == batch["next_tokens"])[ok].sum(), int(ok.sum()))
             add(f"acc_greedy_{s}", (draft == target_argmax)[ok].sum(), int(ok.sum()))
@@ -85,10 +93,15 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
         start_ok = batch["greedy"].unsqueeze(1) & mask[:, :length]
         for s in range(steps):
             start_ok = start_ok & mask[:, s : s + length]
-        run = start_ok.clone()
+        run, path = start_ok.clone(), torch.ones(start_ok.shape)
         for s in range(steps):
             run = run & hits[s][:, s : s + length]
             add(f"chain_{s}", run.sum(), int(start_ok.sum()))
+            for tau in CHAIN_STOPS:  # draft s is made while the path so far is >= tau
+                made = start_ok & (path >= tau)
+                add(f"stop_{tau}_drafts", made.sum(), int(start_ok.sum()) if s == 0 else 0)
+                add(f"stop_{tau}_accepted", (run & made).sum(), 0)
+            path = path * confs[s][:, s : s + length]
     res = {k: sums[k] / max(counts[k], 1) for k in ("smooth_l1", "l1", "ce")}
     res["positions"] = int(counts.get("l1", 0))
     res["acc_next"] = [
@@ -101,4 +114,11 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
         res["chain_accept"] = [sums[f"chain_{s}"] / counts[f"chain_{s}"] for s in range(steps)]
         res["tokens_per_round"] = 1 + sum(res["chain_accept"])
         res["chain_rounds"] = int(counts["chain_0"])
+        res["chain_stop"] = {
+            str(tau): {
+                "drafts_per_round": sums[f"stop_{tau}_drafts"] / counts[f"stop_{tau}_drafts"],
+                "tokens_per_round": 1 + sums[f"stop_{tau}_accepted"] / counts["chain_0"],
+            }
+            for tau in CHAIN_STOPS
+        }
     return res
