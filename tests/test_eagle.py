@@ -9,6 +9,7 @@ from conftest import build_random_eagle_head
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.models.quant import dequantize_q8_0, quantize_q8_0
 from engine.spec_decode.eagle_format import load_head
 from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
 
@@ -24,6 +25,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def head(tiny_llama, tmp_path_factory) -> str:
     return build_random_eagle_head(tmp_path_factory.mktemp("eagle_head"), tiny_llama, 300)
+
+
+def reference_head(path: str) -> ReferenceHead:
+    """The training module's head holding the weights the engine's head runs: on the CPU in
+    float32 its Linears are int8 (Q8_0), i.e. these values exactly."""
+    reference = ReferenceHead.from_dir(path)
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize_q8_0(*quantize_q8_0(module.weight)))
+    return reference
 
 
 def eagle(head: str, k: int = 3) -> dict:
@@ -57,7 +69,7 @@ def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
     seen = [(tokens, drafts[0]) for tokens, drafts in drafted(llm, min_drafts=1)]
     assert len(seen) > 10
     hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
-    reference = ReferenceHead.from_dir(head)
+    reference = reference_head(head)
     d2t = load_head(head)[0]["d2t"]
     with torch.no_grad():
         for tokens, draft in seen:
@@ -76,7 +88,7 @@ def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
     seen = drafted(llm, min_drafts=2)
     assert len(seen) > 5
     hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
-    reference = ReferenceHead.from_dir(head)
+    reference = reference_head(head)
     d2t = load_head(head)[0]["d2t"]
     with torch.no_grad():
         for tokens, drafts in seen:

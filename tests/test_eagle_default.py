@@ -5,6 +5,8 @@ hits, n > 1 and stop strings; and it drafts well enough to be accepted."""
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.layers import Linear
+from engine.models.quant import q8_weight
 
 PROMPTS = [
     "The capital of France is",
@@ -44,6 +46,8 @@ def test_shipped_head_keeps_greedy_output(plain, kwargs):
     assert [o.outputs[0].token_ids for o in outs] == plain["alone"]
     stats = llm.llm_engine.get_stats()
     assert stats.num_accepted_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
+    head = llm.llm_engine.spec.proposer.head  # on the CPU in float32 it drafts on int8 weights
+    assert all(q8_weight(m.weight) is not None for m in head.modules() if isinstance(m, Linear))
     if kwargs["num_kv_blocks"] == 10:
         assert stats.num_preemptions > 0
 
