@@ -24,7 +24,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_linear.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "cpu_paged_attention.cpp",
+    "cpu_layer_ops.cpp",
+    "cpu_linear.cpp",
+    "cpu_linear_bf16.cpp",
+)
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 _SIMD_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],

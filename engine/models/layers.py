@@ -2,8 +2,8 @@
 SwiGLU activation.
 
 RMSNorm, rope and SwiGLU run as single fused C++ ops (kernels/csrc/cpu_layer_ops.cpp) on float32
-CPU inference tensors when the extension is available, and as the PyTorch formulas otherwise
-(CUDA, other dtypes, autograd); both compute the same values up to float rounding.
+or bfloat16 CPU inference tensors when the extension is available, and as the PyTorch formulas
+otherwise (CUDA, other dtypes, autograd); both compute the same values up to float rounding.
 """
 
 import torch
@@ -21,6 +21,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Up to this many rows a CPU Linear with a plain weight runs as a row-split batched GEMV.
 _GEMV_MAX_ROWS = 2
+# Up to this many rows a packed bf16 CPU Linear runs the C++ kernel; more run oneDNN (F.linear)
+# on a copy unpacked for the call (python -m benchmarks.linear --dtype bfloat16 measures both).
+_BF16_KERNEL_MAX_ROWS = 512
 
 
 class Linear(nn.Linear):
@@ -36,8 +39,14 @@ class Linear(nn.Linear):
       the weight's rows as P blocks (P: the largest divisor of out_features up to the thread
       count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
-    - Any other weight (bf16/fp16, CUDA): F.linear. (For bf16 at 1-2 rows oneDNN's F.linear
-      is 1.5x the row-split ``bmm``, which ATen runs at a third of the bandwidth.)
+    - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
+      float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it), at up to
+      ``_BF16_KERNEL_MAX_ROWS`` rows, where it beats oneDNN's F.linear (2x and more at 1-8 rows:
+      it streams the weight near the copy bandwidth); more rows run F.linear on a plain copy
+      unpacked for the call.
+    - Any other weight (fp16, CUDA; bf16 without the extension): F.linear. (For bf16 at 1-2
+      rows oneDNN's F.linear is 1.5x the row-split ``bmm``, which ATen runs at a third of the
+      bandwidth.)
 
     All compute the same product up to float summation order (``python -m benchmarks.linear``
     measures them against ``F.linear``).
@@ -70,7 +79,12 @@ class Linear(nn.Linear):
         need no gradient, where the extension builds; a no-op otherwise). Call after loading
         weights; ``unpack`` undoes it, and so does moving or casting the module."""
         weight = self.weight
-        if packed_weight(weight) is None and not weight.requires_grad and _fused_cpu(weight):
+        if (
+            packed_weight(weight) is None
+            and not weight.requires_grad
+            and _fused_cpu(weight, dtype=weight.dtype)
+            and weight.dtype in (torch.float32, torch.bfloat16)
+        ):
             pack_weight(weight)
 
     def unpack(self) -> None:
@@ -102,12 +116,21 @@ class Linear(nn.Linear):
         packed = self.packed
         if packed is not None:
             extra = () if self.bias is None else (self.bias,)
-            if self._pack_is_current() and _fused_cpu(x, *extra):  # the kernel: no autograd
-                flat = x.reshape(-1, self.in_features)
-                out = cpu_extension.load().linear(flat, packed, self.bias, self.out_features)
-                return out.view(*x.shape[:-1], self.out_features)
-            # autograd through x or the bias, or another dtype: the plain product, unpacked
-            return F.linear(x, unpacked(packed, self.out_features), self.bias)
+            rows = x.numel() // self.in_features
+            # the kernel: no autograd; bf16 only up to where it beats oneDNN
+            if self._pack_is_current() and _fused_cpu(x, *extra, dtype=packed.dtype):
+                flat = x.reshape(rows, self.in_features)
+                if packed.dtype == torch.float32:
+                    out = cpu_extension.load().linear(flat, packed, self.bias, self.out_features)
+                    return out.view(*x.shape[:-1], self.out_features)
+                if rows <= _BF16_KERNEL_MAX_ROWS:
+                    out = cpu_extension.load().linear_bf16(
+                        flat, packed, self.bias, self.out_features
+                    )
+                    return out.view(*x.shape[:-1], self.out_features)
+            # autograd through x or the bias, another dtype, or bf16 at many rows: the plain
+            # product, unpacked
+            return F.linear(x, unpacked(packed, self.weight.shape), self.bias)
         if x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
@@ -139,8 +162,13 @@ class Embedding(nn.Embedding):
         ids = input_ids.reshape(-1)
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        width = packed.shape[-1]
-        return packed[ids // width, :, ids % width].view(*input_ids.shape, self.embedding_dim)
+        if packed.dim() == 3:  # float32 [N / V, K, V]
+            width = packed.shape[-1]
+            rows = packed[ids // width, :, ids % width]
+        else:  # bf16 [N / 16, K / 2, 16, 2]: row n is [n // 16, :, n % 16, :], k in pairs
+            width = packed.shape[-2]
+            rows = packed[ids // width, :, ids % width].flatten(1)[:, : self.embedding_dim]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def _apply(self, fn, recurse: bool = True):
         unpack_weight(self.weight)
@@ -152,7 +180,8 @@ class Embedding(nn.Embedding):
 
 
 def pack_weight(weight: nn.Parameter) -> None:
-    """Replace a float32 CPU weight [N, K]'s data by its pack for the C++ GEMM, in place.
+    """Replace a float32 or bf16 CPU weight [N, K]'s data by its pack for the C++ GEMM, in
+    place (bf16: ``pack_linear_weight_bf16_``, in place when N is a multiple of 16 and K even).
 
     The pack takes over the weight's memory where its rows fill whole panels (out_features a
     multiple of the SIMD width), so packing needs no second copy of it even for a moment; any
@@ -163,8 +192,12 @@ def pack_weight(weight: nn.Parameter) -> None:
     the pack and the placeholder's address) and counts only while the placeholder is the
     Parameter's data (``weight.data = ...`` or a new Parameter retires it).
     """
-    pack = cpu_extension.load().pack_linear_weight_(weight.detach())
-    weight.data = torch.full((1, 1), float("nan")).expand(weight.shape)
+    ext = cpu_extension.load()
+    packer = (
+        ext.pack_linear_weight_bf16_ if weight.dtype == torch.bfloat16 else ext.pack_linear_weight_
+    )
+    pack = packer(weight.detach())
+    weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
     weight.pack = (pack, weight.data_ptr())
 
 
@@ -178,29 +211,38 @@ def unpack_weight(weight: torch.Tensor) -> None:
     """Undo ``pack_weight``: the plain data back in the Parameter, the pack dropped."""
     pack = packed_weight(weight)
     if pack is not None:
-        weight.data = unpacked(pack, weight.shape[0])
+        weight.data = unpacked(pack, weight.shape)
     weight.__dict__.pop("pack", None)
 
 
-def unpacked(pack: torch.Tensor, rows: int) -> torch.Tensor:
-    """The plain [rows, K] weight of a pack [ceil(rows / V), K, V] (a new tensor)."""
-    return pack.transpose(1, 2).reshape(-1, pack.shape[1])[:rows]
+def unpacked(pack: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """The plain [N, K] weight of a pack (a new tensor): float32 [ceil(N / V), K, V], or bf16
+    [ceil(N / 16), ceil(K / 2), 16, 2]."""
+    rows, cols = shape
+    if pack.dim() == 3:
+        return pack.transpose(1, 2).reshape(-1, cols)[:rows]
+    return pack.permute(0, 2, 1, 3).reshape(-1, 2 * pack.shape[1])[:rows, :cols].contiguous()
 
 
 def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
     """state_dict() holds the plain weight, not the placeholder."""
     pack = packed_weight(weight)
     if pack is not None and key in destination:
-        destination[key] = unpacked(pack, weight.shape[0])
+        destination[key] = unpacked(pack, weight.shape)
 
 
-def _fused_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether the fused C++ ops take these tensors: float32 on the CPU, no autograd."""
+def _fused_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the fused C++ ops take these tensors: ``dtype`` on the CPU, no autograd."""
     return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and cpu_extension.available()
     )
+
+
+def _layer_op_cpu(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the fused layer ops take these tensors: all float32 or all bf16 (``_fused_cpu``)."""
+    return x.dtype in (torch.float32, torch.bfloat16) and _fused_cpu(x, *others, dtype=x.dtype)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -217,7 +259,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_cpu(x, self.weight):
+        if _layer_op_cpu(x, self.weight):
             return cpu_extension.load().rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -269,7 +311,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope on x [T, H, D] with cos/sin [T, D] (HF's non-interleaved layout)."""
-    if _fused_cpu(x, cos, sin):
+    if _layer_op_cpu(x, cos, sin):
         return cpu_extension.load().rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -286,18 +328,20 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     if (
         gate_up_proj.bias is None
         and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
-        and inter % packed.shape[-1] == 0
-        and _fused_cpu(x)
+        and _fused_cpu(x, dtype=packed.dtype)
     ):
         flat = x.reshape(rows, gate_up_proj.in_features)
-        out = cpu_extension.load().linear_silu_mul(flat, packed, inter)
-        return out.view(*x.shape[:-1], inter)
+        ext = cpu_extension.load()
+        if packed.dtype == torch.float32 and inter % packed.shape[-1] == 0:
+            return ext.linear_silu_mul(flat, packed, inter).view(*x.shape[:-1], inter)
+        if packed.dtype == torch.bfloat16 and inter % 16 == 0 and rows <= _BF16_KERNEL_MAX_ROWS:
+            return ext.linear_silu_mul_bf16(flat, packed, inter).view(*x.shape[:-1], inter)
     return silu_and_mul(gate_up_proj(x))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up for gate_up [..., 2I] = [gate | up] -> [..., I]."""
-    if _fused_cpu(gate_up):
+    if _layer_op_cpu(gate_up):
         return cpu_extension.load().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
