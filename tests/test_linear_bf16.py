@@ -164,22 +164,22 @@ def bf16_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> tuple[Linea
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_runs_the_kernel_up_to_its_row_limit_then_onednn(bias, gen, monkeypatch):
+def test_bf16_linear_runs_the_kernel_at_every_row_count(bias, gen, monkeypatch):
+    """A packed bf16 Linear keeps one copy (the pack) and runs the kernel whatever the rows."""
     ext = cpu_extension.load()
     calls = []
     kernel = ext.linear_bf16
     monkeypatch.setattr(ext, "linear_bf16", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    monkeypatch.setattr(layers, "_BF16_KERNEL_MAX_ROWS", 17)
     layer, plain = bf16_linear(35, 40, bias, gen)
     assert layer.packed is not None and layer.packed.dim() == 4
     assert torch.isnan(layer.weight).all()  # one copy: the pack
-    for shape in [(1, 40), (3, 40), (17, 40), (2, 9, 40), (18, 40)]:
+    for shape in [(1, 40), (3, 40), (2, 9, 40), (300, 40)]:
         x = torch.randn(shape, generator=gen).bfloat16()
         got = layer(x)
         assert got.shape == (*shape[:-1], 35) and got.dtype == torch.bfloat16
         flat = x.reshape(-1, 40)
         assert_bf16_close(got.reshape(-1, 35), flat, plain, layer.bias, str(shape))
-    assert calls == [1, 3, 17]  # 18 rows: F.linear on the unpacked weight
+    assert calls == [1, 3, 18, 300]
 
 
 def test_bf16_swiglu_fuses_the_gated_kernel(gen, monkeypatch):
@@ -217,6 +217,9 @@ def test_bf16_layer_ops_match_hf_formulas(shape, gen, monkeypatch):
     """RMSNorm (rounded where HF's bf16 module rounds: x * inv_rms, then the weight product),
     rope and silu_and_mul in bf16: the C++ ops against the PyTorch formulas in float64."""
     assert layers._layer_op_cpu(torch.ones(2).bfloat16(), torch.ones(2).bfloat16())
+    assert not layers._layer_op_cpu(torch.ones(2).bfloat16(), torch.ones(2))  # mixed: PyTorch
+    with pytest.raises(ValueError, match="weight"):
+        cpu_extension.load().rms_norm(torch.ones(2, 4).bfloat16(), torch.ones(4), 1e-6)
     x = torch.randn(shape, generator=gen).bfloat16()
     norm = layers.RMSNorm(shape[-1], 1e-6).to(torch.bfloat16).requires_grad_(False)
     norm.weight.data = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).bfloat16()

@@ -21,9 +21,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Up to this many rows a CPU Linear with a plain weight runs as a row-split batched GEMV.
 _GEMV_MAX_ROWS = 2
-# Up to this many rows a packed bf16 CPU Linear runs the C++ kernel; more run oneDNN (F.linear)
-# on a copy unpacked for the call (python -m benchmarks.linear --dtype bfloat16 measures both).
-_BF16_KERNEL_MAX_ROWS = 512
 
 
 class Linear(nn.Linear):
@@ -40,10 +37,10 @@ class Linear(nn.Linear):
       count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
     - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
-      float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it), at up to
-      ``_BF16_KERNEL_MAX_ROWS`` rows, where it beats oneDNN's F.linear (2x and more at 1-8 rows:
-      it streams the weight near the copy bandwidth); more rows run F.linear on a plain copy
-      unpacked for the call.
+      float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
+      SmolLM2-135M's shapes 1.8-2.7x oneDNN's F.linear at 1-8 rows (it streams the weight at
+      the fp32 kernel's bandwidth, half the bytes) and 1.06-1.4x from 16 to 512 rows, level
+      with oneDNN's prepacked bf16 GEMM there (which would need a second copy of the weight).
     - Any other weight (fp16, CUDA; bf16 without the extension): F.linear. (For bf16 at 1-2
       rows oneDNN's F.linear is 1.5x the row-split ``bmm``, which ATen runs at a third of the
       bandwidth.)
@@ -116,20 +113,13 @@ class Linear(nn.Linear):
         packed = self.packed
         if packed is not None:
             extra = () if self.bias is None else (self.bias,)
-            rows = x.numel() // self.in_features
-            # the kernel: no autograd; bf16 only up to where it beats oneDNN
             if self._pack_is_current() and _fused_cpu(x, *extra, dtype=packed.dtype):
-                flat = x.reshape(rows, self.in_features)
-                if packed.dtype == torch.float32:
-                    out = cpu_extension.load().linear(flat, packed, self.bias, self.out_features)
-                    return out.view(*x.shape[:-1], self.out_features)
-                if rows <= _BF16_KERNEL_MAX_ROWS:
-                    out = cpu_extension.load().linear_bf16(
-                        flat, packed, self.bias, self.out_features
-                    )
-                    return out.view(*x.shape[:-1], self.out_features)
-            # autograd through x or the bias, another dtype, or bf16 at many rows: the plain
-            # product, unpacked
+                ext = cpu_extension.load()  # the kernel: no autograd
+                kernel = ext.linear if packed.dtype == torch.float32 else ext.linear_bf16
+                flat = x.reshape(-1, self.in_features)
+                out = kernel(flat, packed, self.bias, self.out_features)
+                return out.view(*x.shape[:-1], self.out_features)
+            # autograd through x or the bias, or another dtype: the plain product, unpacked
             return F.linear(x, unpacked(packed, self.weight.shape), self.bias)
         if x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
@@ -334,7 +324,7 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
         ext = cpu_extension.load()
         if packed.dtype == torch.float32 and inter % packed.shape[-1] == 0:
             return ext.linear_silu_mul(flat, packed, inter).view(*x.shape[:-1], inter)
-        if packed.dtype == torch.bfloat16 and inter % 16 == 0 and rows <= _BF16_KERNEL_MAX_ROWS:
+        if packed.dtype == torch.bfloat16 and inter % 16 == 0:
             return ext.linear_silu_mul_bf16(flat, packed, inter).view(*x.shape[:-1], inter)
     return silu_and_mul(gate_up_proj(x))
 

@@ -34,6 +34,10 @@ constexpr int64_t V = Vec::size();
 constexpr int64_t kCols = 16;          // output columns per panel, whatever the SIMD level
 constexpr int64_t kLine = 2 * kCols;   // bf16 values per k pair of a panel (64 bytes)
 constexpr int kPanels = 4;             // panels per tile (plain product)
+// Up to kFewRows rows, tiles of 2 panels: twice the groups, so that 2 threads split layers of
+// 36 or 60 panels (SmolLM2's) evenly, where groups of 4 leave one thread a group more.
+constexpr int64_t kFewRows = 4;
+constexpr int kFewRowsPanels = 2;
 constexpr int kGatedPanels = 2;        // gate panels per tile (and as many up panels)
 constexpr int64_t kChunkRows = 256;
 // Most rows per tile. Registers: R * 4 accumulators + 4 weight lines (dot: 6 x 4 of 32 zmm);
@@ -265,6 +269,28 @@ void pack_panels(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst, int64
   }
 }
 
+// out = x W^T + bias over tiles of Q panels (bias padded to whole panels).
+template <int Q>
+void plain_product(Path path, const Rows& x, int64_t M, const uint16_t* wp, int64_t panels,
+                   int64_t K2, const float* bias, int64_t N, const Out& o) {
+  const int64_t groups = (panels + Q - 1) / Q;
+  over_tiles(path, M, groups, [&](auto tile_rows, int64_t row, int64_t g) {
+    constexpr int R = decltype(tile_rows)::value;
+    const int64_t first = g * Q;
+    const uint16_t* ptrs[Q];
+    for (int j = 0; j < Q; ++j) {  // past the last panel: repeat it, never stored
+      ptrs[j] = wp + std::min(first + j, panels - 1) * K2 * kLine;
+    }
+    float sums[R][Q * kCols];
+    accumulate<R, Q>(path, x, row, ptrs, K2, sums);
+    const int64_t cols = std::min(Q * kCols, N - first * kCols);
+    for (int i = 0; i < R; ++i) {
+      for (int64_t c = 0; c < cols; ++c) sums[i][c] += bias[first * kCols + c];
+      o.store(row + i, first * kCols, sums[i], cols);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
@@ -322,22 +348,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed,
   auto out = at::empty({x.size(0), N}, x.options());
   const Out o = output_of(out);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const int64_t groups = (panels + kPanels - 1) / kPanels;
-  over_tiles(path, x.size(0), groups, [&](auto tile_rows, int64_t row, int64_t g) {
-    constexpr int R = decltype(tile_rows)::value;
-    const int64_t first = g * kPanels;
-    const uint16_t* ptrs[kPanels];
-    for (int j = 0; j < kPanels; ++j) {  // past the last panel: repeat it, never stored
-      ptrs[j] = wp + std::min(first + j, panels - 1) * K2 * kLine;
-    }
-    float sums[R][kPanels * kCols];
-    accumulate<R, kPanels>(path, prep.rows, row, ptrs, K2, sums);
-    const int64_t cols = std::min(kPanels * kCols, N - first * kCols);
-    for (int i = 0; i < R; ++i) {
-      for (int64_t c = 0; c < cols; ++c) sums[i][c] += b[first * kCols + c];
-      o.store(row + i, first * kCols, sums[i], cols);
-    }
-  });
+  if (x.size(0) <= kFewRows) {
+    plain_product<kFewRowsPanels>(path, prep.rows, x.size(0), wp, panels, K2, b.data(), N, o);
+  } else {
+    plain_product<kPanels>(path, prep.rows, x.size(0), wp, panels, K2, b.data(), N, o);
+  }
   return out;
 }
 
