@@ -24,7 +24,8 @@ _GEMV_MAX_ROWS = 2
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 weight is packed once for the C++ GEMM, keeping no plain copy.
+    """nn.Linear whose CPU float32 or bf16 weight is packed once for a C++ GEMM, keeping no plain
+    copy.
 
     - Packed (``prepack``; CPU, float32, no gradient, the extension builds): every product runs
       the C++ kernel of kernels/csrc/cpu_linear.cpp on the weight in its panel layout: on
@@ -38,9 +39,10 @@ class Linear(nn.Linear):
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
     - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
       float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
-      SmolLM2-135M's shapes 1.8-2.7x oneDNN's F.linear at 1-8 rows (it streams the weight at
-      the fp32 kernel's bandwidth, half the bytes) and 1.06-1.4x from 16 to 512 rows, level
-      with oneDNN's prepacked bf16 GEMM there (which would need a second copy of the weight).
+      SmolLM2-135M's shapes 2.2-2.6x oneDNN's F.linear at 1-2 rows (1.6-1.7x the fp32 kernel:
+      half the bytes at ~0.85x its bandwidth), 1.5-2x at 4-32 rows, level from 256 to 512,
+      and level with oneDNN's prepacked bf16 GEMM from 4 rows on (which would need a second
+      copy of the weight; contended 2-core runs).
     - Any other weight (fp16, CUDA; bf16 without the extension): F.linear. (For bf16 at 1-2
       rows oneDNN's F.linear is 1.5x the row-split ``bmm``, which ATen runs at a third of the
       bandwidth.)
@@ -72,9 +74,9 @@ class Linear(nn.Linear):
         return packed_weight(self.weight)
 
     def prepack(self) -> None:
-        """Pack the weight for the C++ kernel and drop its plain data (CPU float32 weights that
-        need no gradient, where the extension builds; a no-op otherwise). Call after loading
-        weights; ``unpack`` undoes it, and so does moving or casting the module."""
+        """Pack the weight for the C++ kernel and drop its plain data (CPU float32 or bf16
+        weights that need no gradient, where the extension builds; a no-op otherwise). Call
+        after loading weights; ``unpack`` undoes it, and so does moving or casting the module."""
         weight = self.weight
         if (
             packed_weight(weight) is None
@@ -311,7 +313,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up_proj(x) ([gate | up] fused projection): one C++ call that never
     writes the 2I-wide product when the projection is packed, without a bias, and I is a
-    multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
+    multiple of the panel width (float32: the SIMD width; bf16: 16); else the projection, then
+    ``silu_and_mul``."""
     rows = x.numel() // gate_up_proj.in_features
     inter = gate_up_proj.out_features // 2
     packed = gate_up_proj.packed
