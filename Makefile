@@ -28,7 +28,7 @@ $(STAMP): setup.py
 # the C++ kernels), which an AVX512 machine would otherwise never exercise.
 test: setup
 	$(PY) -m pytest -q
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py \
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py tests/test_linear_bf16.py \
 	    tests/test_layers_fused.py tests/test_models.py tests/test_quant_int8.py
 	$(MAKE) gpu-dry-run
 

@@ -1,4 +1,5 @@
-"""The model's linear layers over one step: pagedspec's ``Linear`` against ``F.linear`` and oneDNN.
+"""The model's linear layers over one step: pagedspec's ``Linear`` against ``F.linear`` and oneDNN,
+with float32 weights and (``bf16_*`` columns) bfloat16 weights.
 
 One pass multiplies ``rows`` tokens through every projection of every layer plus the LM head (the
 weights stream from memory, as in a step): ``F.linear`` (what HF calls), oneDNN's prepacked
@@ -6,10 +7,11 @@ linear (``torch.ops.mkldnn._linear_pointwise`` on a weight reordered for that ro
 ``_reorder_linear_weight``, as torch.compile's CPU freezing path runs it) and ``Linear`` (the
 packed C++ GEMM), alternated --repeats times; medians, GB/s, GFLOP/s.
 
-Int8 weights (``quantization="int8"``): ``Linear`` quantised to GGUF Q8_0 (the C++ kernel of
-cpu_linear_q8.cpp, float32 activations) against the library kernels for int8 weights: torch's
-``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16 activations) and oneDNN's int8
-linear (``onednn.qlinear_pointwise``: it takes int8 activations, quantised per call here).
+Int8 weights (``quantization="int8"``, measured with the float32 model): ``Linear`` quantised to
+GGUF Q8_0 (the C++ kernel of cpu_linear_q8.cpp, float32 activations) against the library kernels
+for int8 weights: torch's ``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16
+activations) and oneDNN's int8 linear (``onednn.qlinear_pointwise``: it takes int8 activations,
+quantised per call here).
 """
 
 import torch
@@ -20,6 +22,7 @@ from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list, resolve_model
 
 # The layer under test is engine internals by nature: this benchmark measures it alone.
+from engine.model_loader import default_dtype
 from engine.models import get_model_class
 from engine.models.layers import Linear
 
@@ -31,28 +34,35 @@ def build_parser():
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
     parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="weight dtypes, each measured alone (float32 first if given; bfloat16 adds the "
+        "bf16_* columns)",
+    )
     return parser
 
 
-def run(args) -> dict:
-    rows_list = parse_int_list(args.rows, "rows")
-    spec = resolve_model(args.model, "auto", None)
+def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tuple[dict, list]:
+    """One model in ``dtype``: {"weight_bytes", "params"} and, per row count, the median ms of
+    each implementation (``F.linear``, ``Linear``, oneDNN where available)."""
     torch.manual_seed(0)
-    with torch.device("cpu"):
+    with torch.device("cpu"), default_dtype(dtype):
         model = get_model_class(spec.config)(spec.config).eval().requires_grad_(False)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     plain = {m: m.weight.detach().clone() for m in layers}  # prepack leaves no plain weight
     for m in layers:
         m.prepack()  # as engine.model_loader.load_model does
-    weight_bytes = sum(w.numel() * w.element_size() for w in plain.values())
-    params = sum(w.numel() for w in plain.values())
-    int8 = {m: int8_layer(m, plain[m]) for m in layers}
-    channel = {m: per_channel_int8(plain[m]) for m in layers}
-    prepack_int8 = torch.ops.onednn.qlinear_prepack if _ONEDNN else None
+    sizes = {"weight_bytes": sum(w.numel() * w.element_size() for w in plain.values()),
+             "params": sum(w.numel() for w in plain.values())}  # fmt: skip
+    with_int8 = dtype == torch.float32
+    int8 = {m: int8_layer(m, plain[m]) for m in layers} if with_int8 else {}
+    channel = {m: per_channel_int8(plain[m]) for m in layers} if with_int8 else {}
+    prepack_int8 = torch.ops.onednn.qlinear_prepack if _ONEDNN and with_int8 else None
     onednn_int8 = {m: prepack_int8(channel[m][0], None) for m in layers} if prepack_int8 else {}
-    results = []
+    per_rows = []
     for rows in rows_list:
-        inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+        inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {m.in_features for m in layers}}
         reorder = torch.ops.mkldnn._reorder_linear_weight if _ONEDNN else None
         onednn = {m: reorder(plain[m], rows) for m in layers} if reorder else {}
 
@@ -75,32 +85,60 @@ def run(args) -> dict:
                 else:
                     m(x)
 
-        impls = ["f_linear", "linear", *(["onednn"] if onednn else []), "int8", "int8pack_mm",
-                 "int8pack_mm_bf16", *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
+        impls = ["f_linear", "linear", *(["onednn"] if onednn else [])]
+        if with_int8:
+            impls += ["int8", "int8pack_mm", "int8pack_mm_bf16",
+                      *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
         times: dict[str, list[float]] = {impl: [] for impl in impls}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
             for impl in impls:  # warm-up
                 one_pass(impl)
-            for _ in range(args.repeats):  # alternate, so all see the same machine state
+            for _ in range(repeats):  # alternate, so all see the same machine state
                 for impl in impls:
                     times[impl] += time_calls(lambda impl=impl: one_pass(impl), 1, warmup=0)
         ms = {impl: percentile(t, 50) * 1e3 for impl, t in times.items()}
-        onednn_ms = ms.get("onednn")
-        results.append({"rows": rows, "f_linear_ms": ms["f_linear"], "linear_ms": ms["linear"],
-            "onednn_ms": onednn_ms, "speedup": ms["f_linear"] / ms["linear"],
-            "vs_onednn": onednn_ms / ms["linear"] if onednn_ms else None,
-            "linear_gbs": weight_bytes / ms["linear"] / 1e6,
-            "linear_gflops": 2 * params * rows / ms["linear"] / 1e6,
-            "int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
-            "int8_gbs": params * (1 + 4 / 32) / ms["int8"] / 1e6,
-            "int8pack_mm_ms": ms["int8pack_mm"], "int8pack_mm_bf16_ms": ms["int8pack_mm_bf16"],
-            "onednn_int8_ms": ms.get("onednn_int8")})  # fmt: skip
-        print(f"{rows} rows: " + ", ".join(f"{impl} {t:.1f} ms" for impl, t in ms.items()))
+        per_rows.append(ms)
+        name = str(dtype).removeprefix("torch.")
+        print(f"{name}, {rows} rows: " + ", ".join(f"{i} {t:.1f} ms" for i, t in ms.items()))
         del onednn
-    machine = workload.machine_info(torch.device("cpu"), "benchmarks.linear")
-    payload = {"benchmark": "linear", "machine": machine, "model": spec.name,
-               "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
+    return sizes, per_rows
+
+
+def columns(ms: dict, sizes: dict, rows: int, prefix: str = "") -> dict:
+    """A result row's columns for one dtype (bf16: the same names prefixed with ``bf16_``;
+    float32 also has the int8 ones)."""
+    onednn_ms = ms.get("onednn")
+    out = {f"{prefix}{k}": v for k, v in {
+        "f_linear_ms": ms["f_linear"], "linear_ms": ms["linear"], "onednn_ms": onednn_ms,
+        "speedup": ms["f_linear"] / ms["linear"],
+        "vs_onednn": onednn_ms / ms["linear"] if onednn_ms else None,
+        "linear_gbs": sizes["weight_bytes"] / ms["linear"] / 1e6,
+        "linear_gflops": 2 * sizes["params"] * rows / ms["linear"] / 1e6}.items()}  # fmt: skip
+    if "int8" in ms:
+        out |= {"int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
+                "int8_gbs": sizes["params"] * (1 + 4 / 32) / ms["int8"] / 1e6,
+                "int8pack_mm_ms": ms["int8pack_mm"],
+                "int8pack_mm_bf16_ms": ms["int8pack_mm_bf16"],
+                "onednn_int8_ms": ms.get("onednn_int8")}  # fmt: skip
+    return out
+
+
+def run(args) -> dict:
+    rows_list = parse_int_list(args.rows, "rows")
+    dtypes = [d for d in ("float32", "bfloat16") if d in args.dtypes.split(",")]
+    if not dtypes:
+        raise ValueError(f"--dtypes must name float32 and/or bfloat16, got {args.dtypes!r}")
+    spec = resolve_model(args.model, "auto", None)
+    results = [{"rows": rows} for rows in rows_list]
+    payload = {"benchmark": "linear", "machine": workload.machine_info(torch.device("cpu"),
+               "benchmarks.linear"), "model": spec.name, "threads": torch.get_num_threads(),
                "repeats": args.repeats, "results": results}  # fmt: skip
+    for dtype in dtypes:
+        prefix = "" if dtype == "float32" else "bf16_"
+        sizes, per_rows = measure(spec, getattr(torch, dtype), rows_list, args.repeats)
+        payload[f"{prefix}weight_bytes"] = sizes["weight_bytes"]
+        for result, ms in zip(results, per_rows, strict=True):
+            result.update(columns(ms, sizes, result["rows"], prefix))
     workload.save(payload, args.output_dir, "linear")
     return payload
 

@@ -294,21 +294,33 @@ def render_block_manager(p: dict) -> list[str]:
 
 
 def render_linear(p: dict) -> list[str]:
+    dtypes = [
+        (d, pre) for d, pre in (("float32", ""), ("bf16", "bf16_")) if f"{pre}weight_bytes" in p
+    ]
+    sizes = ", ".join(f"{p[pre + 'weight_bytes'] / 1e6:.0f} MB in {d}" for d, pre in dtypes)
+    if [d for d, _ in dtypes] == ["float32"]:  # the runs before bf16, in their words
+        sizes = f"{p['weight_bytes'] / 1e6:.0f} MB of weights"
     notes = [
         *_machine(p),
-        f"- one pass = every projection of every layer plus the LM head "
-        f"({p['weight_bytes'] / 1e6:.0f} MB of weights), median of {p['repeats']} alternated "
-        f"passes, {p['threads']} threads",
+        f"- one pass = every projection of every layer plus the LM head ({sizes}), median of "
+        f"{p['repeats']} alternated passes, {p['threads']} threads",
     ]
     title = "Linear layers: pagedspec `Linear` (packed C++ GEMM) vs `F.linear` and oneDNN"
-    columns = "rows={rows} | F.linear ms={f_linear_ms:.1f} | oneDNN packed ms={onednn_ms:.1f} | "
-    columns += "Linear ms={linear_ms:.1f} | vs F.linear={speedup:.2fx} | "
-    columns += "vs oneDNN={vs_onednn:.2fx} | Linear GB/s={linear_gbs:.1f} | "
-    columns += "Linear GFLOP/s={linear_gflops:.0f} | int8 Linear ms={int8_ms:.1f} | "
-    columns += "int8 vs Linear={int8_vs_linear:.2fx} | int8 GB/s={int8_gbs:.1f} | "
-    columns += "_weight_int8pack_mm ms={int8pack_mm_ms:.1f} | "
-    columns += "_weight_int8pack_mm bf16 x ms={int8pack_mm_bf16_ms:.1f} | "
-    columns += "oneDNN int8 (int8 x) ms={onednn_int8_ms:.1f}"
+    columns = "rows={rows}"
+    for _, pre in dtypes:
+        tag = "" if pre == "" else " bf16"
+        columns += f" | F.linear{tag} ms={{{pre}f_linear_ms:.1f}} | oneDNN packed{tag} ms="
+        columns += f"{{{pre}onednn_ms:.1f}} | Linear{tag} ms={{{pre}linear_ms:.1f}} | "
+        columns += (
+            f"vs F.linear{tag}={{{pre}speedup:.2fx}} | vs oneDNN{tag}={{{pre}vs_onednn:.2fx}}"
+        )
+        columns += f" | Linear{tag} GB/s={{{pre}linear_gbs:.1f}} | Linear{tag} GFLOP/s="
+        columns += f"{{{pre}linear_gflops:.0f}}"
+    if any("int8_ms" in r for r in p["results"]):
+        columns += " | int8 Linear ms={int8_ms:.1f} | int8 vs Linear={int8_vs_linear:.2fx} | "
+        columns += "int8 GB/s={int8_gbs:.1f} | _weight_int8pack_mm ms={int8pack_mm_ms:.1f} | "
+        columns += "_weight_int8pack_mm bf16 x ms={int8pack_mm_bf16_ms:.1f} | "
+        columns += "oneDNN int8 (int8 x) ms={onednn_int8_ms:.1f}"
     return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 
 

@@ -30,6 +30,7 @@ _SOURCES = (
     "cpu_layer_ops.cpp",
     "cpu_linear.cpp",
     "cpu_linear_q8.cpp",
+    "cpu_linear_bf16.cpp",
 )
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 _SIMD_FLAGS = {

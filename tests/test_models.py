@@ -357,7 +357,12 @@ def test_loaded_cpu_model_is_prepacked(tmp_path):
     plain = sum(p.untyped_storage().nbytes() for p in model.parameters())
     assert weight_bytes <= packs + plain <= 1.05 * weight_bytes
     bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
-    assert all(m.packed is None for m in bf16.modules() if isinstance(m, Linear))
+    linears = [m for m in bf16.modules() if isinstance(m, Linear)]  # the bf16 kernel's packs
+    assert all(m._pack_is_current() and m.packed.dtype == torch.bfloat16 for m in linears)
+    weight_bytes = sum(p.numel() * 2 for p in bf16.parameters())
+    packs = sum(m.packed.untyped_storage().nbytes() for m in linears)
+    plain = sum(p.untyped_storage().nbytes() for p in bf16.parameters())
+    assert weight_bytes <= packs + plain <= 1.05 * weight_bytes
 
 
 def test_model_loads_and_runs_under_inference_mode(tmp_path):

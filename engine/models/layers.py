@@ -2,8 +2,8 @@
 SwiGLU activation.
 
 RMSNorm, rope and SwiGLU run as single fused C++ ops (kernels/csrc/cpu_layer_ops.cpp) on float32
-CPU inference tensors when the extension is available, and as the PyTorch formulas otherwise
-(CUDA, other dtypes, autograd); both compute the same values up to float rounding.
+or bfloat16 CPU inference tensors when the extension is available, and as the PyTorch formulas
+otherwise (CUDA, other dtypes, autograd); both compute the same values up to float rounding.
 """
 
 import torch
@@ -25,7 +25,8 @@ _GEMV_MAX_ROWS = 2
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 weight is packed once for the C++ GEMM, keeping no plain copy.
+    """nn.Linear whose CPU float32 or bf16 weight is packed once for a C++ GEMM, keeping no plain
+    copy.
 
     - Packed (``prepack``; CPU, float32, no gradient, the extension builds): every product runs
       the C++ kernel of kernels/csrc/cpu_linear.cpp on the weight in its panel layout: on
@@ -40,8 +41,15 @@ class Linear(nn.Linear):
     - Int8 (``quantize``, ``quantization="int8"``): the C++ kernel of
       kernels/csrc/cpu_linear_q8.cpp on the weight's Q8_0 pack (``engine.models.quant``),
       float32 activations; as with the float32 pack, no float copy is kept.
-    - Any other weight (bf16/fp16, CUDA): F.linear. (For bf16 at 1-2 rows oneDNN's F.linear
-      is 1.5x the row-split ``bmm``, which ATen runs at a third of the bandwidth.)
+    - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
+      float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
+      SmolLM2-135M's shapes 2.2-2.6x oneDNN's F.linear at 1-2 rows (1.6-1.7x the fp32 kernel:
+      half the bytes at ~0.85x its bandwidth), 1.5-2x at 4-32 rows, level from 256 to 512,
+      and level with oneDNN's prepacked bf16 GEMM from 4 rows on (which would need a second
+      copy of the weight; contended 2-core runs).
+    - Any other weight (fp16, CUDA; bf16 without the extension): F.linear. (For bf16 at 1-2
+      rows oneDNN's F.linear is 1.5x the row-split ``bmm``, which ATen runs at a third of the
+      bandwidth.)
 
     All compute the same product up to float summation order (``python -m benchmarks.linear``
     measures them against ``F.linear``).
@@ -70,11 +78,16 @@ class Linear(nn.Linear):
         return packed_weight(self.weight)
 
     def prepack(self) -> None:
-        """Pack the weight for the C++ kernel and drop its plain data (CPU float32 weights that
-        need no gradient, where the extension builds; a no-op otherwise). Call after loading
-        weights; ``unpack`` undoes it, and so does moving or casting the module."""
+        """Pack the weight for the C++ kernel and drop its plain data (CPU float32 or bf16
+        weights that need no gradient, where the extension builds; a no-op otherwise). Call
+        after loading weights; ``unpack`` undoes it, and so does moving or casting the module."""
         weight = self.weight
-        if packed_weight(weight) is None and not weight.requires_grad and _fused_cpu(weight):
+        if (
+            packed_weight(weight) is None
+            and not weight.requires_grad
+            and _fused_cpu(weight, dtype=weight.dtype)
+            and weight.dtype in (torch.float32, torch.bfloat16)
+        ):
             pack_weight(weight)
 
     def quantize(self) -> None:
@@ -118,12 +131,14 @@ class Linear(nn.Linear):
         packed = self.packed
         if packed is not None:
             extra = () if self.bias is None else (self.bias,)
-            if self._pack_is_current() and _fused_cpu(x, *extra):  # the kernel: no autograd
+            if self._pack_is_current() and _fused_cpu(x, *extra, dtype=packed.dtype):
+                ext = cpu_extension.load()  # the kernel: no autograd
+                kernel = ext.linear if packed.dtype == torch.float32 else ext.linear_bf16
                 flat = x.reshape(-1, self.in_features)
-                out = cpu_extension.load().linear(flat, packed, self.bias, self.out_features)
+                out = kernel(flat, packed, self.bias, self.out_features)
                 return out.view(*x.shape[:-1], self.out_features)
             # autograd through x or the bias, or another dtype: the plain product, unpacked
-            return F.linear(x, unpacked(packed, self.out_features), self.bias)
+            return F.linear(x, unpacked(packed, self.weight.shape), self.bias)
         if x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
@@ -157,8 +172,13 @@ class Embedding(nn.Embedding):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         if q8 is not None:  # a tied int8 LM head: its rows, dequantised
             return q8_rows(q8, ids).view(*input_ids.shape, self.embedding_dim)
-        width = packed.shape[-1]
-        return packed[ids // width, :, ids % width].view(*input_ids.shape, self.embedding_dim)
+        if packed.dim() == 3:  # float32 [N / V, K, V]
+            width = packed.shape[-1]
+            rows = packed[ids // width, :, ids % width]
+        else:  # bf16 [N / 16, K / 2, 16, 2]: row n is [n // 16, :, n % 16, :], k in pairs
+            width = packed.shape[-2]
+            rows = packed[ids // width, :, ids % width].flatten(1)[:, : self.embedding_dim]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def _apply(self, fn, recurse: bool = True):
         unpack_weight(self.weight)
@@ -170,7 +190,8 @@ class Embedding(nn.Embedding):
 
 
 def pack_weight(weight: nn.Parameter) -> None:
-    """Replace a float32 CPU weight [N, K]'s data by its pack for the C++ GEMM, in place.
+    """Replace a float32 or bf16 CPU weight [N, K]'s data by its pack for the C++ GEMM, in
+    place (bf16: ``pack_linear_weight_bf16_``, in place when N is a multiple of 16 and K even).
 
     The pack takes over the weight's memory where its rows fill whole panels (out_features a
     multiple of the SIMD width), so packing needs no second copy of it even for a moment; any
@@ -181,8 +202,12 @@ def pack_weight(weight: nn.Parameter) -> None:
     the pack and the placeholder's address) and counts only while the placeholder is the
     Parameter's data (``weight.data = ...`` or a new Parameter retires it).
     """
-    pack = cpu_extension.load().pack_linear_weight_(weight.detach())
-    weight.data = torch.full((1, 1), float("nan")).expand(weight.shape)
+    ext = cpu_extension.load()
+    packer = (
+        ext.pack_linear_weight_bf16_ if weight.dtype == torch.bfloat16 else ext.pack_linear_weight_
+    )
+    pack = packer(weight.detach())
+    weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
     weight.pack = (pack, weight.data_ptr())
 
 
@@ -196,34 +221,43 @@ def unpack_weight(weight: torch.Tensor) -> None:
     """Undo ``pack_weight``: the plain data back in the Parameter, the pack dropped."""
     pack, q8 = packed_weight(weight), q8_weight(weight)
     if pack is not None:
-        weight.data = unpacked(pack, weight.shape[0])
+        weight.data = unpacked(pack, weight.shape)
     elif q8 is not None:
         weight.data = q8_unpacked(q8, weight.shape[0])
     weight.__dict__.pop("pack", None)
     weight.__dict__.pop("q8", None)
 
 
-def unpacked(pack: torch.Tensor, rows: int) -> torch.Tensor:
-    """The plain [rows, K] weight of a pack [ceil(rows / V), K, V] (a new tensor)."""
-    return pack.transpose(1, 2).reshape(-1, pack.shape[1])[:rows]
+def unpacked(pack: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """The plain [N, K] weight of a pack (a new tensor): float32 [ceil(N / V), K, V], or bf16
+    [ceil(N / 16), ceil(K / 2), 16, 2]."""
+    rows, cols = shape
+    if pack.dim() == 3:
+        return pack.transpose(1, 2).reshape(-1, cols)[:rows]
+    return pack.permute(0, 2, 1, 3).reshape(-1, 2 * pack.shape[1])[:rows, :cols].contiguous()
 
 
 def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
     """state_dict() holds the plain weight, not the placeholder."""
     pack, q8 = packed_weight(weight), q8_weight(weight)
     if pack is not None and key in destination:
-        destination[key] = unpacked(pack, weight.shape[0])
+        destination[key] = unpacked(pack, weight.shape)
     elif q8 is not None and key in destination:
         destination[key] = q8_unpacked(q8, weight.shape[0])
 
 
-def _fused_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether the fused C++ ops take these tensors: float32 on the CPU, no autograd."""
+def _fused_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the fused C++ ops take these tensors: ``dtype`` on the CPU, no autograd."""
     return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and cpu_extension.available()
     )
+
+
+def _layer_op_cpu(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the fused layer ops take these tensors: all float32 or all bf16 (``_fused_cpu``)."""
+    return x.dtype in (torch.float32, torch.bfloat16) and _fused_cpu(x, *others, dtype=x.dtype)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -240,7 +274,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_cpu(x, self.weight):
+        if _layer_op_cpu(x, self.weight):
             return cpu_extension.load().rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -292,7 +326,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope on x [T, H, D] with cos/sin [T, D] (HF's non-interleaved layout)."""
-    if _fused_cpu(x, cos, sin):
+    if _layer_op_cpu(x, cos, sin):
         return cpu_extension.load().rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -302,7 +336,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up_proj(x) ([gate | up] fused projection): one C++ call that never
     writes the 2I-wide product when the projection is packed, without a bias, and I is a
-    multiple of the SIMD width; else the projection, then ``silu_and_mul``."""
+    multiple of the panel width (float32: the SIMD width; bf16: 16); else the projection, then
+    ``silu_and_mul``."""
     rows = x.numel() // gate_up_proj.in_features
     inter = gate_up_proj.out_features // 2
     q8 = q8_weight(gate_up_proj.weight)
@@ -314,18 +349,20 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     if (
         gate_up_proj.bias is None
         and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
-        and inter % packed.shape[-1] == 0
-        and _fused_cpu(x)
+        and _fused_cpu(x, dtype=packed.dtype)
     ):
         flat = x.reshape(rows, gate_up_proj.in_features)
-        out = cpu_extension.load().linear_silu_mul(flat, packed, inter)
-        return out.view(*x.shape[:-1], inter)
+        ext = cpu_extension.load()
+        if packed.dtype == torch.float32 and inter % packed.shape[-1] == 0:
+            return ext.linear_silu_mul(flat, packed, inter).view(*x.shape[:-1], inter)
+        if packed.dtype == torch.bfloat16 and inter % 16 == 0:
+            return ext.linear_silu_mul_bf16(flat, packed, inter).view(*x.shape[:-1], inter)
     return silu_and_mul(gate_up_proj(x))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up for gate_up [..., 2I] = [gate | up] -> [..., I]."""
-    if _fused_cpu(gate_up):
+    if _layer_op_cpu(gate_up):
         return cpu_extension.load().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -17,7 +17,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8", &linear_q8, "x @ W^T + b with a packed int8 weight (float32 x)", no_gil);
   m.def("linear_silu_mul_q8", &linear_silu_mul_q8, "linear_silu_mul with a packed int8 weight",
         no_gil);
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)", no_gil);
-  m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32)", no_gil);
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32)", no_gil);
+  m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16,
+        "Pack a bfloat16 [N, K] weight for linear_bf16", no_gil);
+  m.def("pack_linear_weight_bf16_", &pack_linear_weight_bf16_,
+        "pack_linear_weight_bf16 in the weight's own memory where it can", no_gil);
+  m.def("linear_bf16", &linear_bf16, "x @ W^T + b with a packed bfloat16 weight", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("dot") = true,
+        no_gil);
+  m.def("linear_silu_mul_bf16", &linear_silu_mul_bf16,
+        "silu(gate) * up of x @ gate_up^T, packed bfloat16", py::arg("x"), py::arg("packed"),
+        py::arg("intermediate"), py::arg("dot") = true, no_gil);
+  m.def("linear_bf16_has_dot", &linear_bf16_has_dot, "Whether linear_bf16 runs AVX512-BF16");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32/bf16)", no_gil);
+  m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32/bf16)",
+        no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32/bf16)", no_gil);
 }

@@ -16,7 +16,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
                      const at::Tensor& seq_lens, double scale, at::Tensor& out);
 
-// weight * x / sqrt(mean(x^2) + eps) over the last dim, float32 (HF's LlamaRMSNorm).
+// weight * x / sqrt(mean(x^2) + eps) over the last dim, float32 or bf16 (HF's LlamaRMSNorm;
+// the layer ops below take either dtype, one for all their tensors).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // x * cos + rotate_half(x) * sin for x [T, H, D] (any token/head strides) and cos/sin [T, D].
@@ -59,3 +60,24 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed_q, const at::
 // linear_silu_mul for a gate_up weight packed by pack_q8_weight.
 at::Tensor linear_silu_mul_q8(const at::Tensor& x, const at::Tensor& packed_q,
                               const at::Tensor& packed_d, int64_t intermediate);
+
+// cpu_linear_bf16.cpp: a bfloat16 weight [N, K] packed for linear_bf16 as
+// [ceil(N / 16)][ceil(K / 2)][16][2] (k in pairs; padding 0), the same at every SIMD level.
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
+
+// pack_linear_weight_bf16's pack in weight's own memory when N is a multiple of 16, K even and
+// weight contiguous (the result is then a view of it); otherwise a new tensor.
+at::Tensor pack_linear_weight_bf16_(at::Tensor& weight);
+
+// x [M, K] (bf16 or float32) @ weight^T + bias for a pack of pack_linear_weight_bf16, summed in
+// float32 and returned in x's dtype; dot: use AVX512-BF16 where compiled and the CPU has it.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features, bool dot);
+
+// silu(gate) * up of x @ gate_up^T for a gate_up pack of pack_linear_weight_bf16
+// (intermediate a multiple of 16), as linear_bf16; returns [M, intermediate].
+at::Tensor linear_silu_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
+                                int64_t intermediate, bool dot);
+
+// Whether linear_bf16 can run AVX512-BF16 here (the build and the CPU).
+bool linear_bf16_has_dot();
