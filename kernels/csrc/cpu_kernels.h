@@ -19,6 +19,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 // weight * x / sqrt(mean(x^2) + eps) over the last dim, float32 (HF's LlamaRMSNorm).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// In place: residual += x, then x = rms_norm(residual) (vLLM's fused_add_rms_norm); the same
+// bits as the add followed by rms_norm. x and residual contiguous, of one shape.
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+
 // x * cos + rotate_half(x) * sin for x [T, H, D] (any token/head strides) and cos/sin [T, D].
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

@@ -27,6 +27,16 @@ void check_float32(const at::Tensor& t, const char* name) {
                     " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
+// out = weight * x / sqrt(mean(x^2) + eps) for one row of dim floats (out may be x).
+void normalize_row(const float* x, const float* weight, double eps, int64_t dim, float* out) {
+  const float sum_sq = at::vec::map_reduce_all<float>(
+      [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, x, dim);
+  const float mean_sq = sum_sq / static_cast<float>(dim);
+  const float inv_rms = 1.f / std::sqrt(mean_sq + static_cast<float>(eps));
+  // HF rounds x * inv_rms before the weight multiplies it.
+  at::vec::map2([inv_rms](Vec v, Vec g) { return g * (v * Vec(inv_rms)); }, out, x, weight, dim);
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -42,18 +52,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows.size(0), grain(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xi = src + i * dim;
-      const float sum_sq = at::vec::map_reduce_all<float>(
-          [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, xi, dim);
-      const float mean_sq = sum_sq / static_cast<float>(dim);
-      const float inv_rms = 1.f / std::sqrt(mean_sq + static_cast<float>(eps));
-      // HF rounds x * inv_rms before the weight multiplies it.
-      at::vec::map2([inv_rms](Vec v, Vec g) { return g * (v * Vec(inv_rms)); }, dst + i * dim, xi,
-                    wp, dim);
-    }
+    for (int64_t i = begin; i < end; ++i) normalize_row(src + i * dim, wp, eps, dim, dst + i * dim);
   });
   return out.view(x.sizes());
+}
+
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_float32(x, "x");
+  check_float32(residual, "residual");
+  check_float32(weight, "weight");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK_VALUE(x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous(),
+                    "x and residual must be contiguous and of one shape, got ", x.sizes(), " and ",
+                    residual.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == dim, "weight must be [", dim, "], got ",
+                    weight.sizes());
+  const auto w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  at::parallel_for(0, x.numel() / std::max<int64_t>(1, dim), grain(dim), [&](int64_t begin,
+                                                                            int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* ri = rp + i * dim;
+      float* xi = xp + i * dim;
+      // residual + x rounds as the separate add would; the norm is rms_norm's on that sum.
+      at::vec::map2([](Vec r, Vec v) { return r + v; }, ri, ri, xi, dim);
+      normalize_row(ri, wp, eps, dim, xi);
+    }
+  });
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
