@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -95,8 +96,16 @@ class StepSampler:
         """Deterministic drafts: one target sample per row; a draft is accepted iff equal."""
         if not jobs:
             return []
-        logits, batch, starts = self._batch(jobs)
-        samples = self.sampler(logits, batch).tolist()
+        if all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs):
+            # Greedy fast path (what the sampler computes for an all-greedy batch, which draws
+            # nothing): the argmax of each row, without building sampling parameters or
+            # generators; a batch-1 decode step spent ~0.2 ms in those.
+            starts = list(accumulate((job.rows.shape[0] for job in jobs[:-1]), initial=0))
+            logits = concat_rows([self._mask_min_tokens(job) for job in jobs])
+            samples = logits.argmax(-1).tolist()
+        else:
+            logits, batch, starts = self._batch(jobs)
+            samples = self.sampler(logits, batch).tolist()
         return self.verify(samples, [job.drafts for job in jobs], starts)
 
     def _rejection(self, jobs: list[SampleJob]) -> list[list[int]]:

@@ -45,10 +45,14 @@ def _resolve(backend: str, like: torch.Tensor) -> str:
 
 def plan_write_kv_cache(
     slot_mapping: torch.Tensor, k_cache: torch.Tensor, backend: Backend = "auto"
-) -> reference.KVWritePlan | None:
+) -> reference.KVWritePlan | cpu_attention.WritePlan | None:
     """Per-step work that every layer's write_kv_cache call would repeat (the torch backend's
-    slot validation); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, k_cache) != "torch":
+    slot validation, the cpu backend's index conversion); None for backends that need none.
+    Pass the result as ``plan=``: it also fixes the backend."""
+    chosen = _resolve(backend, k_cache)
+    if chosen == "cpu":
+        return cpu_attention.plan_write_kv_cache(slot_mapping)
+    if chosen != "torch":
         return None
     return reference.plan_write_kv_cache(slot_mapping, k_cache)
 
@@ -60,12 +64,15 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: Backend = "auto",
-    plan: reference.KVWritePlan | None = None,
+    plan: reference.KVWritePlan | cpu_attention.WritePlan | None = None,
 ) -> None:
     """Write key/value [T, Hkv, D] into caches [N, B, Hkv, D] at slot = block * B + offset.
 
     In place; slot -1 skips the token. slot_mapping is int64 or int32.
     """
+    if isinstance(plan, cpu_attention.WritePlan):
+        cpu_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan)
+        return
     chosen = _resolve(backend, key)
     if chosen == "torch":
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plan=plan)
@@ -85,10 +92,16 @@ def plan_paged_attention(
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     backend: Backend = "auto",
-) -> reference.AttentionPlan | None:
+) -> reference.AttentionPlan | cpu_attention.AttentionPlan | None:
     """Per-step work that every layer's paged_attention call would repeat (the torch backend's
-    gather plan); None for backends that need none. Pass the result as ``plan=``."""
-    if _resolve(backend, query) != "torch":
+    gather plan, the cpu backend's checks and index conversion); None for backends that need
+    none. Pass the result as ``plan=``: it also fixes the backend."""
+    chosen = _resolve(backend, query)
+    if chosen == "cpu":
+        return cpu_attention.plan_paged_attention(
+            query, k_cache, block_tables, cu_query_lens, seq_lens
+        )
+    if chosen != "torch":
         return None
     check_paged_attention_args(
         query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None
@@ -106,7 +119,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
-    plan: reference.AttentionPlan | None = None,
+    plan: reference.AttentionPlan | cpu_attention.AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query spans [T, Hq, D] over paged K/V; returns out [T, Hq, D].
 
@@ -115,8 +128,10 @@ def paged_attention(
     attends to positions 0..that position. block_tables [S, M] rows may be padded with any valid
     block id past ceil(seq_lens[i] / block_size) entries.
     """
-    chosen = _resolve(backend, query)
     args = (query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out)
+    if isinstance(plan, cpu_attention.AttentionPlan):
+        return cpu_attention.paged_attention(*args, plan=plan)
+    chosen = _resolve(backend, query)
     if chosen == "torch":
         return reference.paged_attention(*args, plan=plan)
     if chosen == "cpu":

@@ -172,7 +172,54 @@ def test_auto_picks_cpu_kernel_for_cpu_float_tensors(monkeypatch):
     assert len(calls) == 1
     kernels.paged_attention(*p.to(torch.float64).args(), 1.0)  # float64: the torch backend
     assert len(calls) == 1
-    assert kernels.plan_paged_attention(*p.args()[:2], *p.args()[3:]) is None
+    assert isinstance(
+        kernels.plan_paged_attention(*p.args()[:2], *p.args()[3:]), cpu_attention.AttentionPlan
+    )
+
+
+def test_planned_calls_give_the_unplanned_bits_and_the_kernel_checks_each_call(gen):
+    """A step checks its metadata once (the plan) and every layer calls with the plan: the same
+    bits as an unplanned call. What the plan does not cover (each layer's query, caches, out,
+    scale) the C++ kernel checks itself, since the Python checks are skipped."""
+    p = make_paged_problem(
+        [3, 1], [20, 33], num_heads=6, num_kv_heads=2, head_dim=32, block_size=16, generator=gen
+    )
+    q, k, v, *meta = p.args()
+    plan = kernels.plan_paged_attention(q, k, *meta, backend="cpu")
+    assert all(
+        t.dtype == torch.int64 for t in (plan.block_tables, plan.cu_query_lens, plan.seq_lens)
+    )
+    planned = kernels.paged_attention(q, k, v, *meta, 0.3, plan=plan)
+    assert torch.equal(planned, cpu_attention.paged_attention(q, k, v, *meta, 0.3))
+    strided = torch.empty(4, 6, 64)[..., ::2]
+    strided.copy_(q)
+    bad = [
+        ("query must be", q[..., :16], k, v, 0.3, None),  # head_dim
+        ("query must be", q[:, :3], k, v, 0.3, None),  # not a multiple of the KV heads
+        ("dtype", q.double(), k, v, 0.3, None),
+        ("k_cache and v_cache", q, k, v[:, :8], 0.3, None),
+        ("out must", q, k, v, 0.3, torch.empty(4, 6, 16)),
+        ("contiguous", strided, k, v, 0.3, None),
+        ("scale", q, k, v, 0.0, None),
+    ]
+    for match, query, k_cache, v_cache, scale, out in bad:
+        with pytest.raises(ValueError, match=match):
+            kernels.paged_attention(query, k_cache, v_cache, *meta, scale, out=out, plan=plan)
+
+
+def test_planned_cache_write_equals_unplanned_and_checks_each_call(gen):
+    cache = torch.randn(4, 16, 2, 8, generator=gen)
+    key, value = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+    slots = torch.tensor([0, -1, 17], dtype=torch.int32)
+    plan = kernels.plan_write_kv_cache(slots, cache, backend="cpu")
+    assert isinstance(plan, cpu_attention.WritePlan) and plan.slot_mapping.dtype == torch.int64
+    planned, unplanned = (cache.clone(), cache.clone()), (cache.clone(), cache.clone())
+    kernels.write_kv_cache(key, value, *planned, slots, plan=plan)
+    kernels.write_kv_cache(key, value, *unplanned, slots, backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(planned, unplanned, strict=True))
+    assert not torch.equal(planned[0], cache)
+    with pytest.raises(ValueError, match="key must be"):
+        kernels.write_kv_cache(key[:, :1], value, *planned, slots, plan=plan)
 
 
 def test_unbuildable_extension_warns_and_reports_unavailable(monkeypatch, caplog):

@@ -38,6 +38,28 @@ def test_fused_rms_norm_matches_formula(shape, gen, monkeypatch):
     assert got.shape == x.shape and close(got, exact)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 3, 24)])
+def test_rms_norm_with_residual_gives_the_bits_of_the_add_then_the_norm(shape, gen, monkeypatch):
+    """The decoder layer's residual add fused into the next norm: (norm(x + r), x + r) bit for
+    bit as the two steps, written in place into x and r; a strided x takes the unfused path
+    to the same bits, and both are the float64 formula's value."""
+    norm = layers.RMSNorm(shape[-1], eps=1e-5).requires_grad_(False)
+    norm.weight.data = torch.randn(shape[-1], generator=gen)
+    x, residual = (torch.randn(shape, generator=gen) * 3 for _ in range(2))
+    summed = x + residual
+    expected = norm(summed)
+    fused_x, fused_r = x.clone(), residual.clone()
+    got, new_residual = norm(fused_x, fused_r)
+    assert got is fused_x and new_residual is fused_r  # in place
+    assert torch.equal(new_residual, summed) and torch.equal(got, expected)
+    strided = torch.empty(*shape[:-1], 2 * shape[-1])[..., ::2]
+    strided.copy_(x)
+    got_strided, residual_strided = norm(strided, residual.clone())
+    assert torch.equal(got_strided, expected) and torch.equal(residual_strided, summed)
+    exact = formula(monkeypatch, lambda a, b: norm.double()(a, b)[0], x, residual)
+    assert close(got, exact)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_fused_rotary_matches_formula_on_a_qkv_view(head_dim, gen, monkeypatch):
     tokens, heads = 7, 5
@@ -70,6 +92,10 @@ def test_fused_ops_reject_other_dtypes_with_a_clear_error():
         ext.rotary(torch.ones(2, 1, 4), torch.ones(3, 4), torch.ones(3, 4))
     with pytest.raises(ValueError, match="even"):
         ext.silu_and_mul(torch.ones(2, 5))
+    with pytest.raises(ValueError, match="one shape"):
+        ext.add_rms_norm_(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        ext.add_rms_norm_(torch.ones(4, 2).t(), torch.ones(2, 4), torch.ones(4), 1e-6)
 
 
 def test_fused_ops_take_empty_inputs():
@@ -78,6 +104,7 @@ def test_fused_ops_take_empty_inputs():
     assert ext.rotary(torch.ones(0, 2, 4), torch.ones(0, 4), torch.ones(0, 4)).shape == (0, 2, 4)
     assert ext.silu_and_mul(torch.ones(0, 6)).shape == (0, 3)
     assert ext.rms_norm(torch.ones(0, 4), torch.ones(4), 1e-6).shape == (0, 4)
+    ext.add_rms_norm_(torch.ones(0, 4), torch.ones(0, 4), torch.ones(4), 1e-6)
 
 
 @pytest.mark.parametrize(("inter", "bias"), [(48, False), (36, False), (48, True)])

@@ -20,6 +20,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 // the layer ops below take either dtype, one for all their tensors).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// In place: residual += x, then x = rms_norm(residual) (vLLM's fused_add_rms_norm); the same
+// bits as the add followed by rms_norm. x and residual contiguous, of one shape.
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+
 // x * cos + rotate_half(x) * sin for x [T, H, D] (any token/head strides) and cos/sin [T, D].
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

@@ -93,6 +93,17 @@ void rms_norm_rows(const T* src, const T* weight, T* dst, int64_t rows, int64_t 
   });
 }
 
+// out = weight * x / sqrt(mean(x^2) + eps) for one float32 row of dim (out may be x): the same
+// bits as rms_norm_rows<float>.
+void normalize_row(const float* x, const float* weight, float eps, int64_t dim, float* out) {
+  const float sum_sq = at::vec::map_reduce_all<float>(
+      [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, x, dim);
+  const float mean_sq = sum_sq / static_cast<float>(dim);
+  const float inv_rms = 1.f / std::sqrt(mean_sq + eps);
+  // HF rounds x * inv_rms before the weight multiplies it.
+  at::vec::map2([inv_rms](Vec v, Vec g) { return g * (v * Vec(inv_rms)); }, out, x, weight, dim);
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -112,6 +123,33 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                   out.data_ptr<at::BFloat16>(), rows.size(0), dim, e);
   }
   return out.view(x.sizes());
+}
+
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK_VALUE(common_dtype({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}}) ==
+                        at::kFloat,
+                    "add_rms_norm_ takes float32 tensors");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK_VALUE(x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous(),
+                    "x and residual must be contiguous and of one shape, got ", x.sizes(), " and ",
+                    residual.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == dim, "weight must be [", dim, "], got ",
+                    weight.sizes());
+  const auto w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const auto e = static_cast<float>(eps);
+  at::parallel_for(0, x.numel() / std::max<int64_t>(1, dim), grain(dim), [&](int64_t begin,
+                                                                            int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* ri = rp + i * dim;
+      float* xi = xp + i * dim;
+      // residual + x rounds as the separate add would; the norm is rms_norm's on that sum.
+      at::vec::map2([](Vec r, Vec v) { return r + v; }, ri, ri, xi, dim);
+      normalize_row(ri, wp, e, dim, xi);
+    }
+  });
 }
 
 namespace {

@@ -457,10 +457,16 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
 template <typename T>
 void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   const int64_t num_items = static_cast<int64_t>(items.size());
+  // Scratch for the largest item's rows only: a decode item has G rows, and zeroing scratch for
+  // kMaxRows rows (~170 KB a thread at SmolLM2's shapes) took half the kernel's time at a
+  // batch-1 decode.
+  int64_t max_rows = 1;
+  for (const WorkItem& w : items) {
+    max_rows = std::max(max_rows, w.num_tokens * w.num_kv_heads * p.group);
+  }
 #pragma omp parallel if (num_items > 1)
   {
-    Scratch scratch(std::max({kMaxRows, kWholeHeadsMaxRows, p.group}), p.num_kv_heads, p.head_dim,
-                    p.block_size);
+    Scratch scratch(max_rows, p.num_kv_heads, p.head_dim, p.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
   }
@@ -488,12 +494,56 @@ void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Ten
   run(p, items);
 }
 
+// Devices, shapes, dtypes and strides: kernels.checks checks them too, with messages per
+// field, but a step's layers call with a plan that skips those Python checks (once per step).
+void check_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
+                          double scale, const at::Tensor& out) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &cu_query_lens,
+                              &seq_lens, &out}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "backend 'cpu' needs CPU tensors, got a tensor on ",
+                      t->device());
+  }
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                        k_cache.size(1) >= 1 && k_cache.size(2) >= 1,
+                    "k_cache and v_cache must both be [num_blocks, block_size >= 1, "
+                    "num_kv_heads >= 1, head_dim], got ", k_cache.sizes(), " and ",
+                    v_cache.sizes());
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK_VALUE(query.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                        out.scalar_type() == dtype,
+                    "query, out and the caches must have one dtype, got ", query.scalar_type(),
+                    ", ", out.scalar_type(), ", ", dtype, " and ", v_cache.scalar_type());
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == k_cache.size(3) &&
+                        query.size(1) >= num_kv_heads && query.size(1) % num_kv_heads == 0,
+                    "query must be [num_tokens, a multiple of num_kv_heads=", num_kv_heads, ", ",
+                    k_cache.size(3), "], got ", query.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must have query's shape ", query.sizes(),
+                    ", got ", out.sizes());
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                        v_cache.stride(3) == 1,
+                    "query, out and the caches must have head_dim contiguous (stride 1)");
+  for (const at::Tensor* t : {&block_tables, &cu_query_lens, &seq_lens}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong,
+                      "block_tables, cu_query_lens and seq_lens must be int32 or int64, got ",
+                      t->scalar_type());
+  }
+  const int64_t num_seqs = seq_lens.dim() == 1 ? seq_lens.size(0) : -1;
+  TORCH_CHECK_VALUE(num_seqs >= 0 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                        cu_query_lens.dim() == 1 && cu_query_lens.size(0) == num_seqs + 1,
+                    "seq_lens must be [S], block_tables [S, M] and cu_query_lens [S + 1], got ",
+                    seq_lens.sizes(), ", ", block_tables.sizes(), " and ", cu_query_lens.sizes());
+  TORCH_CHECK_VALUE(scale > 0.0, "scale must be > 0, got ", scale);
+}
+
 }  // namespace
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
                      const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  // Shapes, dtypes and strides were checked by kernels.checks; values are checked here.
+  check_attention_args(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out);
   const auto tables = block_tables.to(at::kLong).contiguous();
   const int64_t num_heads = query.size(1), num_kv_heads = k_cache.size(2);
   const auto items = plan_items(cu_query_lens.to(at::kLong), seq_lens.to(at::kLong), tables,
@@ -514,6 +564,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&key, &value, &k_cache, &v_cache, &slot_mapping}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "backend 'cpu' needs CPU tensors, got a tensor on ",
+                      t->device());
+  }
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
                     "head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());

@@ -1,0 +1,67 @@
+"""StepSampler's greedy fast path (argmax of the rows, no sampling batch) against the sampler."""
+
+import pytest
+import torch
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection import verify_deterministic_drafts
+from engine.step_sampler import SampleJob, StepSampler
+
+EOS = 3
+
+
+def step_sampler() -> StepSampler:
+    return StepSampler(Sampler(seed=0), {EOS}, verify_deterministic_drafts)
+
+
+def first_max(row: torch.Tensor) -> int:
+    """The lowest id holding the row's maximum (torch.argmax's tie rule), by plain Python."""
+    values = row.tolist()
+    return values.index(max(values))
+
+
+def test_greedy_jobs_take_the_argmax_without_a_sampling_batch(gen, monkeypatch):
+    """Drafts accepted while they equal the row's argmax, min_tokens masking EOS and stop ids
+    first, ties going to the lowest id, seeded and unseeded alike; ``_batch`` (the sampling
+    parameters and generators) is never built."""
+    monkeypatch.setattr(StepSampler, "_batch", lambda *a: pytest.fail("built a sampling batch"))
+    vocab = 16
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[0, [EOS, 9]] = 50.0  # a tie, and EOS on top: banned while under min_tokens
+    logits[3, [5, 11]] = 40.0
+    top = [first_max(row) for row in logits]
+    jobs = [
+        # 2 drafts: the first one right, the second wrong -> [draft 0, argmax of row 1]
+        SampleJob(SamplingParams(temperature=0), 0, 4, [1, 2], logits[0:3], [top[0], 15 - top[1]]),
+        # min_tokens not reached: EOS (and stop id 9) masked in its one row
+        SampleJob(
+            SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[9], seed=7),
+            0,
+            1,
+            [1],
+            logits[0:1],
+            [],
+        ),  # fmt: skip
+        SampleJob(SamplingParams(temperature=0, seed=1), 0, 0, [1], logits[3:4], []),
+        # every draft accepted: the bonus row's argmax follows
+        SampleJob(SamplingParams(temperature=0), 0, 2, [1], logits[4:6], [top[4]]),
+    ]
+    masked = logits[0].clone()
+    masked[[EOS, 9]] = float("-inf")
+    expected = [[top[0], top[1]], [first_max(masked)], [5], [top[4], top[5]]]
+    results = step_sampler()(jobs)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.logprobs is None for r in results)
+
+
+def test_greedy_with_penalties_goes_through_the_penalised_sampler(gen):
+    """A repetition penalty can move a greedy argmax: such jobs are not on the fast path."""
+    logits = torch.zeros(1, 8)
+    logits[0, 4], logits[0, 6] = 3.0, 2.0
+    history = [1, 4]  # token 4 was generated: penalised 3.0 / 2 = 1.5 < 2.0
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    (result,) = step_sampler()([SampleJob(params, 0, 1, history, logits, [])])
+    assert result.token_ids == [6]
+    (plain,) = step_sampler()([SampleJob(SamplingParams(temperature=0), 0, 1, history, logits, [])])
+    assert plain.token_ids == [4]
