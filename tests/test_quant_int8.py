@@ -81,7 +81,9 @@ def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
     b = torch.randn(n, generator=gen) if bias else None
     got = ext.linear_q8(x, packed_q, packed_d, b, n)
     assert got.shape == (rows, n)
-    assert rel_err(got, reference(x, qs, ds, b)) < 2e-6
+    # float32 sums over K = 1536 reach ~2.4e-6 of the largest output (300 seeds replayed);
+    # a wrong scale or a dropped block is off by 1e-2 and more
+    assert rel_err(got, reference(x, qs, ds, b)) < 1e-5
 
 
 def test_linear_q8_row_bits_do_not_depend_on_the_batch(gen):
