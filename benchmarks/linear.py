@@ -26,6 +26,9 @@ from engine.model_loader import default_dtype
 from engine.models import get_model_class
 from engine.models.layers import Linear
 
+# The library int8 kernels are measured up to this many rows: torch's _weight_int8pack_mm with
+# float32 activations takes ~10 s a pass at 128 rows, which would make the run last an hour.
+LIBRARY_INT8_MAX_ROWS = 64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -87,8 +90,10 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
 
         impls = ["f_linear", "linear", *(["onednn"] if onednn else [])]
         if with_int8:
-            impls += ["int8", "int8pack_mm", "int8pack_mm_bf16",
-                      *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
+            impls += ["int8"]
+            if rows <= LIBRARY_INT8_MAX_ROWS:
+                impls += ["int8pack_mm", "int8pack_mm_bf16",
+                          *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
         times: dict[str, list[float]] = {impl: [] for impl in impls}
         with torch.inference_mode():  # as in serving; with autograd on, Linear skips its pack
             for impl in impls:  # warm-up
@@ -117,8 +122,8 @@ def columns(ms: dict, sizes: dict, rows: int, prefix: str = "") -> dict:
     if "int8" in ms:
         out |= {"int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
                 "int8_gbs": sizes["params"] * (1 + 4 / 32) / ms["int8"] / 1e6,
-                "int8pack_mm_ms": ms["int8pack_mm"],
-                "int8pack_mm_bf16_ms": ms["int8pack_mm_bf16"],
+                "int8pack_mm_ms": ms.get("int8pack_mm"),
+                "int8pack_mm_bf16_ms": ms.get("int8pack_mm_bf16"),
                 "onednn_int8_ms": ms.get("onednn_int8")}  # fmt: skip
     return out
 
