@@ -9,9 +9,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. "int8": weight-only GGUF Q8_0 (engine.models.quant), CPU float32.
 QUANTIZATIONS = (None, "int8")
-# The shipped head's chain stop, chosen on held-out chat (benchmarks/spec_decode.py and the
-# offline estimate in RESULTS.md): at k=4 it drafts ~1.6 tokens a round instead of 4 and keeps
-# ~90% of the accepted ones (offline estimate).
+# The shipped head's chain stop, chosen on held-out chat (benchmarks/spec_decode.py, and the
+# offline estimate "chain_stop" in the head's manifest.json): at k=4 it drafts ~1.6 tokens a
+# round instead of 4 and keeps ~90% of the accepted ones.
 DEFAULT_MIN_DRAFT_CONFIDENCE = 0.3
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 

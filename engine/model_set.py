@@ -30,27 +30,16 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def load_model_set(config: EngineConfig, device: torch.device, shard: TPShard = NO_TP) -> ModelSet:
     """Load this rank's share of the target (and draft) model."""
-    target = load_model(
-        config.model,
-        config.dtype,
-        device,
-        config.load_format,
-        config.seed,
-        shard,
-        config.quantization,
-    )
+
+    def load(path: str | None) -> LoadedModel:  # the target and a draft load alike
+        return load_model(path, config.dtype, device, config.load_format, config.seed, shard,
+                          config.quantization)  # fmt: skip
+
+    target = load(config.model)
     spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft":
-        draft = load_model(
-            spec.draft_model,
-            config.dtype,
-            device,
-            config.load_format,
-            config.seed,
-            shard,
-            config.quantization,
-        )
+        draft = load(spec.draft_model)
         vocab_size = int(target.config.vocab_size)
         if int(draft.config.vocab_size) != vocab_size:
             raise ValueError(
