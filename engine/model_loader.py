@@ -166,9 +166,7 @@ def check_quantization(quantization: str, dtype: torch.dtype, device: torch.devi
     """ValueError unless ``quantization`` can run here: "int8" and "q4_1" need the CPU,
     float32 activations and the C++ kernels."""
     if quantization not in QUANTIZATIONS or quantization is None:
-        raise ValueError(
-            f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}"
-        )
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(
             f"quantization={quantization!r} runs on the CPU in float32 (dtype 'auto' or "

@@ -142,7 +142,8 @@ def test_linear_q4_row_bits_do_not_depend_on_the_batch(gen):
         for t in {1, threads}:
             torch.set_num_threads(t)
             for i in (0, 5, 63):
-                assert torch.equal(ext.linear_q4(x[i : i + 1], pq, pdm, None, 200), batch[i : i + 1])
+                alone = ext.linear_q4(x[i : i + 1], pq, pdm, None, 200)
+                assert torch.equal(alone, batch[i : i + 1])
     finally:
         torch.set_num_threads(threads)
 
@@ -214,8 +215,9 @@ def test_pack_q4_rejects_bad_input_and_kernel_mismatched_packs(gen):
         ext.linear_q4(torch.randn(2, 32), pq, pdm, None, 32)
     with pytest.raises(ValueError, match="pack_q4_weight"):
         ext.linear_q4(torch.randn(2, 64), pq, pdm[:, :1], None, 32)
-    with pytest.raises(ValueError, match="pack_q4_weight"):  # a Q8_0 pack
-        ext.linear_q4(torch.randn(2, 64), *ext.pack_q8_weight(*quantize_q8_0(weight(32, 64, gen))), None, 32)
+    q8_packs = ext.pack_q8_weight(*quantize_q8_0(weight(32, 64, gen)))
+    with pytest.raises(ValueError, match="pack_q4_weight"):
+        ext.linear_q4(torch.randn(2, 64), *q8_packs, None, 32)
     with pytest.raises(ValueError, match="out_features 33"):
         ext.linear_q4(torch.randn(2, 64), pq, pdm, None, 33)
 
@@ -243,8 +245,9 @@ def test_q4_1_default_model_agrees_with_float32():
     """SmolLM2-135M, whose float32 weights are its file's dequantised Q4_1 (and Q8_0 head)
     values, run on those Q4_1 / Q8_0 numbers: only the int16 activations and the summation
     order differ from float32. 4 prompts x 64 tokens continued by the float32 model: the
-    argmax is float32's at >= 97% of the positions (measured on AVX512: ...), and the
-    log-probability of float32's token within ... of float32's, ... on average."""
+    argmax is float32's at >= 98% of the positions (measured on AVX512: 256 / 256), and the
+    log-probability of float32's token within 0.01 of float32's, 0.002 on average (measured:
+    0.0012 and 0.0002; int8, which also requantises the weights, is 10-100x further off)."""
     agreement, diffs = agreement_with_float32(default_model_scores_of("q4_1"), "q4_1")
-    assert agreement >= 0.97
-    assert diffs.max() < 0.1 and diffs.mean() < 0.01
+    assert agreement >= 0.98
+    assert diffs.max() < 0.01 and diffs.mean() < 0.002

@@ -115,9 +115,7 @@ class QuantizedWeight:
         """V, the output columns of one panel."""
         return self.q.shape[-2]
 
-    def linear(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         """x [M, K] float32 @ weight^T + bias (the kernel checks x)."""
         kernel = getattr(cpu_extension.load(), FORMATS[self.format].linear)
         return kernel(x, self.q, self.scales, bias, out_features)
