@@ -67,6 +67,8 @@ def reference(x: torch.Tensor, qs, ds, ms, bias=None) -> torch.Tensor:
 def test_quantize_q4_1_is_gguf_bit_for_bit(shape, gen):
     w = weight(*shape, gen)
     w[0, 32:64] = 3.0  # a constant block (d = 0), beside weight()'s all-zero one
+    # d = 1 and q at .5 ties: gguf's trunc(x + 0.5) rounds them up, round() to even would not
+    w[-1, :32] = torch.cat((torch.tensor([15.0]), torch.arange(31) * 0.5))
     qs, ds, ms = quantize_q4_1(w)
     raw = gguf.quants.quantize(w.numpy(), Q4_1)
     q_ref, d_ref, m_ref = q4_1_blocks(raw, shape)
