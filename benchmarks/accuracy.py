@@ -151,7 +151,7 @@ def run(args) -> dict:
     skipped = llamacpp.unavailable_reason()
     if skipped:
         print(f"skipping llama.cpp: {skipped}", flush=True)
-    memo: dict[tuple, dict] = {}  # pagedspec runs by engine options (fp32 and q4_1 share one)
+    memo: dict[tuple, dict] = {}  # pagedspec runs by engine options
 
     def ours(p: Precision) -> dict:
         options = engine_options(p)  # ValueError while the engine lacks the option

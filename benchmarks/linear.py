@@ -12,7 +12,8 @@ GGUF Q8_0 (the C++ kernel of cpu_linear_q8.cpp: float32 activations, quantised t
 block inside it; 1 + 2/32 bytes a weight) against the library kernels for int8 weights:
 torch's ``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16 activations) and
 oneDNN's int8 linear (``onednn.qlinear_pointwise``: it takes int8 activations, quantised per
-call here).
+call here). Q4_1 weights (``quantization="q4_1"``): ``Linear`` quantised to GGUF Q4_1
+(cpu_linear_q4.cpp, the same activations), the ``q4_1`` columns.
 """
 
 import torch
@@ -61,6 +62,7 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
              "params": sum(w.numel() for w in plain.values())}  # fmt: skip
     with_int8 = dtype == torch.float32
     int8 = {m: int8_layer(m, plain[m]) for m in layers} if with_int8 else {}
+    q4_1 = {m: int8_layer(m, plain[m], "q4_1") for m in layers} if with_int8 else {}
     channel = {m: per_channel_int8(plain[m]) for m in layers} if with_int8 else {}
     prepack_int8 = torch.ops.onednn.qlinear_prepack if _ONEDNN and with_int8 else None
     onednn_int8 = {m: prepack_int8(channel[m][0], None) for m in layers} if prepack_int8 else {}
@@ -79,6 +81,8 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
                     torch.ops.mkldnn._linear_pointwise(x, onednn[m], m.bias, "none", [], "")
                 elif impl == "int8":
                     int8[m](x)
+                elif impl == "q4_1":
+                    q4_1[m](x)
                 elif impl == "int8pack_mm":
                     torch.ops.aten._weight_int8pack_mm(x, *channel[m])
                 elif impl == "int8pack_mm_bf16":
@@ -91,7 +95,7 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
 
         impls = ["f_linear", "linear", *(["onednn"] if onednn else [])]
         if with_int8:
-            impls += ["int8"]
+            impls += ["int8", "q4_1"]
             if rows <= LIBRARY_INT8_MAX_ROWS:
                 impls += ["int8pack_mm", "int8pack_mm_bf16",
                           *(["onednn_int8"] if onednn_int8 else [])]  # fmt: skip
@@ -112,7 +116,7 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
 
 def columns(ms: dict, sizes: dict, rows: int, prefix: str = "") -> dict:
     """A result row's columns for one dtype (bf16: the same names prefixed with ``bf16_``;
-    float32 also has the int8 ones)."""
+    float32 also has the int8 and q4_1 ones)."""
     onednn_ms = ms.get("onednn")
     out = {f"{prefix}{k}": v for k, v in {
         "f_linear_ms": ms["f_linear"], "linear_ms": ms["linear"], "onednn_ms": onednn_ms,
@@ -123,6 +127,8 @@ def columns(ms: dict, sizes: dict, rows: int, prefix: str = "") -> dict:
     if "int8" in ms:
         out |= {"int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
                 "int8_gbs": sizes["params"] * (1 + 2 / 32) / ms["int8"] / 1e6,
+                "q4_1_ms": ms["q4_1"], "q4_1_vs_linear": ms["linear"] / ms["q4_1"],
+                "q4_1_gbs": sizes["params"] * (0.5 + 4 / 32) / ms["q4_1"] / 1e6,
                 "int8pack_mm_ms": ms.get("int8pack_mm"),
                 "int8pack_mm_bf16_ms": ms.get("int8pack_mm_bf16"),
                 "onednn_int8_ms": ms.get("onednn_int8")}  # fmt: skip
@@ -149,13 +155,14 @@ def run(args) -> dict:
     return payload
 
 
-def int8_layer(m: Linear, weight: torch.Tensor) -> Linear:
-    """A copy of ``m`` quantised as ``quantization="int8"`` loads it."""
+def int8_layer(m: Linear, weight: torch.Tensor, fmt: str = "q8_0") -> Linear:
+    """A copy of ``m`` quantised to GGUF block format ``fmt`` as ``quantization="int8"`` (Q8_0)
+    or ``"q4_1"`` loads it."""
     q = Linear(m.in_features, m.out_features, bias=m.bias is not None).requires_grad_(False)
     q.weight.data = weight.clone()
     if m.bias is not None:
         q.bias.data = m.bias.detach().clone()
-    q.quantize()
+    q.quantize(fmt)
     return q
 
 

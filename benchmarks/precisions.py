@@ -3,8 +3,8 @@
 ``--precision`` of the throughput and accuracy benchmarks names a row. pagedspec's side is
 ``EngineConfig`` options (``dtype``, ``quantization``); llama.cpp's is the GGUF file type its own
 quantizer writes from the default model's weights (``benchmarks.llamacpp``). A row whose engine
-option this checkout does not have yet (``quantization="int8"`` lands in a parallel branch)
-raises ``ValueError`` naming it, instead of running something else under its name.
+option this checkout does not have raises ``ValueError`` naming it, instead of running
+something else under its name.
 """
 
 from dataclasses import dataclass, fields
@@ -29,10 +29,9 @@ PRECISIONS = {
         # AVX512-BF16; issue 17 measures bf16 against F16.
         Precision("bf16", "bfloat16", None, "F16", "pagedspec bf16 vs llama.cpp F16"),
         Precision("int8", "float32", "int8", "Q8_0", "weight-only int8 vs llama.cpp Q8_0"),
-        # The default model ships as Q4_1: pagedspec expands it to fp32 at load (the same
-        # values), llama.cpp runs the file as shipped. When the engine runs GGUF quants as
-        # shipped, this row names that quantization.
-        Precision("q4_1", "float32", None, "Q4_1", "Q4_1 as shipped: pagedspec expands to fp32"),
+        # The default model ships as Q4_1 (its tied embedding / LM head Q8_0): both sides run
+        # the file's numbers, pagedspec requantising its float32 cache to the same bits.
+        Precision("q4_1", "float32", "q4_1", "Q4_1", "Q4_1 as shipped both sides"),
     )
 }
 

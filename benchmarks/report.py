@@ -321,6 +321,9 @@ def render_linear(p: dict) -> list[str]:
         columns += "int8 GB/s={int8_gbs:.1f} | _weight_int8pack_mm ms={int8pack_mm_ms:.1f} | "
         columns += "_weight_int8pack_mm bf16 x ms={int8pack_mm_bf16_ms:.1f} | "
         columns += "oneDNN int8 (int8 x) ms={onednn_int8_ms:.1f}"
+    if any("q4_1_ms" in r for r in p["results"]):
+        columns += " | Q4_1 Linear ms={q4_1_ms:.1f} | Q4_1 vs Linear={q4_1_vs_linear:.2fx} | "
+        columns += "Q4_1 GB/s={q4_1_gbs:.1f}"
     return _section(f"{title} ({p['model']})", notes, columns, p["results"])
 
 

@@ -176,14 +176,15 @@ def device_rates(device: torch.device, dtype: torch.dtype) -> dict:
 
 def model_cost(config, dtype: torch.dtype, quantization: str | None = None) -> dict:
     """Matmul parameters of ``config``'s model (on a weightless meta model) and their bytes
-    (int8: a byte a weight plus a float32 scale per 32)."""
+    (int8: a byte a weight plus a float16 scale per 32; q4_1: half a byte plus two float16 per
+    32, its Q8_0 LM head counted at that size too)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and embed.weight is head.weight
     params = sum(p.numel() for p in model.parameters() if tied or p is not embed.weight)
     dtype_name = str(dtype).removeprefix("torch.")
-    per_weight = 1 + 4 / 32 if quantization == "int8" else dtype.itemsize
+    per_weight = {"int8": 1 + 2 / 32, "q4_1": 0.5 + 4 / 32}.get(quantization, dtype.itemsize)
     return {"num_params": params, "weight_bytes": params * per_weight, "dtype": dtype_name,
             "quantization": quantization}  # fmt: skip
 

@@ -7,8 +7,9 @@ from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
-# None: weights as loaded. "int8": weight-only GGUF Q8_0 (engine.models.quant), CPU float32.
-QUANTIZATIONS = (None, "int8")
+# None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
+# "int8": Q8_0; "q4_1": Q4_1 (the LM head Q8_0, as llama.cpp's Q4_1 files ship it).
+QUANTIZATIONS = (None, "int8", "q4_1")
 # The shipped head's chain stop, chosen on held-out chat (benchmarks/spec_decode.py, and the
 # offline estimate "chain_stop" in the head's manifest.json): at k=4 it drafts ~1.6 tokens a
 # round instead of 4 and keeps ~90% of the accepted ones.
@@ -120,7 +121,8 @@ class EngineConfig:
     # are spawned here, or join from other machines when WORLD_SIZE is set in the environment.
     tensor_parallel_size: int = 1
     # Weight-only quantisation of every Linear (QUANTIZATIONS): "int8" quantises each weight
-    # at load to GGUF Q8_0 (a Q8_0 GGUF file's tensors keep their shipped values bit for bit).
+    # at load to GGUF Q8_0, "q4_1" to Q4_1 but the LM head to Q8_0 (a Q8_0 / Q4_1 GGUF file's
+    # tensors keep their shipped values bit for bit: the default model runs its file's numbers).
     quantization: str | None = None
 
     def __post_init__(self) -> None:

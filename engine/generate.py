@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--quantization",
         choices=[q for q in QUANTIZATIONS if q],
-        help="weight-only quantisation (int8: GGUF Q8_0, CPU float32; default: none)",
+        help="weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
     )
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"

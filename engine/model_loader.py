@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.config import QUANTIZATIONS
 from engine.default_model import default_model_dir
 from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_of
 from engine.gguf_loader import iter_gguf, read_gguf
@@ -100,8 +101,9 @@ def load_model(
     load_format="dummy", a config.json or a directory holding only one. With a ``shard`` of
     size > 1 only this rank's slice of every weight is kept (read lazily from safetensors;
     GGUF tensors are dequantized whole, then sliced; dummy weights equal the single-device
-    ones' slices). ``quantization="int8"`` quantises every Linear's weight (LM head included; a
-    tied embedding reads the head's) to GGUF Q8_0 once it is loaded (CPU, float32 only).
+    ones' slices). ``quantization`` quantises every Linear's weight once it is loaded (CPU, float32
+    only): "int8" to GGUF Q8_0, "q4_1" to Q4_1 but the LM head to Q8_0 (``linear_formats``; a
+    tied embedding reads the head's).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
@@ -130,10 +132,11 @@ def load_model(
     _materialize(net, device)
     net.eval().requires_grad_(False)
     linears = {id(m.weight): m for m in net.modules() if isinstance(m, Linear)}
+    formats = linear_formats(net, quantization) if quantization else {}
 
     def quantize(param: nn.Parameter) -> None:  # as soon as loaded: no float32 model whole
         if id(param) in linears:
-            linears[id(param)].quantize()
+            linears[id(param)].quantize(formats[id(param)])
 
     on_loaded = quantize if quantization else None
     if weights is None and shard.size > 1:
@@ -142,23 +145,37 @@ def load_model(
         _init_dummy(net, seed)
     else:
         net.load_weights(weights, on_loaded)
-    for module in linears.values():  # the rest (dummy weights); a no-op for those done
-        module.quantize() if quantization else module.prepack()
+    for key, module in linears.items():  # the rest (dummy weights); a no-op for those done
+        module.quantize(formats[key]) if quantization else module.prepack()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
 
 
+def linear_formats(net: nn.Module, quantization: str) -> dict[int, str]:
+    """id(Linear weight) -> its GGUF block format under ``quantization``: "int8" is Q8_0
+    everywhere; "q4_1" is Q4_1 but Q8_0 for the LM head (``net.lm_head``), as llama.cpp's
+    Q4_1 files keep the output weights (the default model's tied token_embd is Q8_0)."""
+    base = "q8_0" if quantization == "int8" else "q4_1"
+    formats = {id(m.weight): base for m in net.modules() if isinstance(m, Linear)}
+    head = getattr(net, "lm_head", None)
+    if isinstance(head, Linear):
+        formats[id(head.weight)] = "q8_0"
+    return formats
+
+
 def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-    """ValueError unless ``quantization`` can run here: "int8" needs the CPU, float32
-    activations and the C++ kernels."""
-    if quantization != "int8":
-        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+    """ValueError unless ``quantization`` can run here: "int8" and "q4_1" need the CPU,
+    float32 activations and the C++ kernels."""
+    if quantization not in QUANTIZATIONS or quantization is None:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(
-            f"quantization='int8' runs on the CPU in float32 (dtype 'auto' or 'float32'), "
-            f"got device {device.type!r} and dtype {dtype}"
+            f"quantization={quantization!r} runs on the CPU in float32 (dtype 'auto' or "
+            f"'float32'), got device {device.type!r} and dtype {dtype}"
         )
     if not cpu_extension.available():
-        raise ValueError("quantization='int8' needs the C++ CPU kernels, which did not build")
+        raise ValueError(
+            f"quantization={quantization!r} needs the C++ CPU kernels, which did not build"
+        )
 
 
 def _resolve_path(model: str | None) -> str:

@@ -30,6 +30,7 @@ _SOURCES = (
     "cpu_layer_ops.cpp",
     "cpu_linear.cpp",
     "cpu_linear_q8.cpp",
+    "cpu_linear_q4.cpp",
     "cpu_linear_bf16.cpp",
 )
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
@@ -49,7 +50,7 @@ def load() -> ModuleType:
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={simd}", f"-DCPU_CAPABILITY_{simd}"]
     flags += _SIMD_FLAGS.get(simd, [])
     if simd == "AVX512" and "avx512_vnni" in _cpu_flags():
-        flags.append("-mavx512vnni")  # the int8 kernel's vpdpwssd (cpu_linear_q8.cpp)
+        flags.append("-mavx512vnni")  # the int8/Q4_1 kernels' vpdpwssd (cpu_int_dot.h)
     return cpp_extension.load(
         name=build_name(simd, flags, _CSRC),
         sources=[str(_CSRC / name) for name in _SOURCES],

@@ -397,4 +397,5 @@ def test_component_benchmarks_run(tiny_llama, tmp_path, monkeypatch):
         assert 0 < r["median_us"] <= r["p90_us"] <= r["p99_us"]
     text = report.render(tmp_path, tmp_path / "RESULTS.md")
     assert "## Linear layers" in text and "## Paged attention on the CPU" in text
+    assert "int8 Linear ms" in text and "Q4_1 Linear ms" in text
     assert "## KV block manager" in text

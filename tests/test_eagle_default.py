@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.layers import Linear
-from engine.models.quant import q8_weight
+from engine.models.quant import quantized_weight
 
 PROMPTS = [
     "The capital of France is",
@@ -47,7 +47,9 @@ def test_shipped_head_keeps_greedy_output(plain, kwargs):
     stats = llm.llm_engine.get_stats()
     assert stats.num_accepted_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
     head = llm.llm_engine.spec.proposer.head  # on the CPU in float32 it drafts on int8 weights
-    assert all(q8_weight(m.weight) is not None for m in head.modules() if isinstance(m, Linear))
+    assert all(
+        quantized_weight(m.weight).format == "q8_0" for m in head.modules() if isinstance(m, Linear)
+    )
     if kwargs["num_kv_blocks"] == 10:
         assert stats.num_preemptions > 0
 

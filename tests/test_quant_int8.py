@@ -19,7 +19,7 @@ from engine.default_model import default_model_dir
 from engine.gguf_loader import iter_gguf
 from engine.model_loader import load_model
 from engine.models import layers
-from engine.models.quant import dequantize_q8_0, q8_weight, quantize_q8_0
+from engine.models.quant import dequantize_q8_0, quantize_q8_0, quantized_weight
 from kernels import cpu_extension
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -157,12 +157,12 @@ def test_int8_linear_keeps_one_copy_and_unpacks_dequantised(gen):
     qs, ds = quantize_q8_0(lin.weight)
     lin.quantize()
     assert lin.weight.untyped_storage().nbytes() == 4  # the placeholder: no float copy left
-    assert q8_weight(lin.weight)[0].dtype == torch.int8
+    assert quantized_weight(lin.weight).q.dtype == torch.int8
     x = torch.randn(3, 5, 64, generator=gen)
     assert rel_err(lin(x), kernel_reference(x.view(-1, 64), qs, ds, lin.bias).view(3, 5, 40)) < 2e-6
     assert torch.equal(lin.state_dict()["weight"], dequantize_q8_0(qs, ds))
     lin.unpack()
-    assert q8_weight(lin.weight) is None
+    assert quantized_weight(lin.weight) is None
     assert torch.equal(lin.weight, dequantize_q8_0(qs, ds))
 
 
@@ -196,7 +196,7 @@ def test_kernel_rejects_mismatched_packs(gen):
 
 @pytest.mark.parametrize("value", ["int4", "INT8", "", 8])
 def test_bad_quantization_is_a_value_error_naming_the_field(value):
-    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'int8'\)"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'int8', 'q4_1'\)"):
         EngineConfig(quantization=value)
 
 
@@ -210,7 +210,7 @@ def test_q8_0_gguf_runs_its_shipped_numbers(tmp_path):
     shipped = dict(iter_gguf(gguf.GGUFReader(path), ours.config))
     state = ours.model.state_dict()  # int8 weights come back dequantised
     linears = [m for m in ours.model.modules() if isinstance(m, layers.Linear)]
-    assert linears and all(q8_weight(m.weight) is not None for m in linears)
+    assert linears and all(quantized_weight(m.weight).format == "q8_0" for m in linears)
     for name, value in shipped.items():  # the tied LM head is embed_tokens.weight
         fused, part = ours.model._param_name(name)
         sizes = ours.model._shard_sizes(fused)
@@ -224,12 +224,13 @@ def test_q8_0_gguf_runs_its_shipped_numbers(tmp_path):
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
 
 
-@pytest.fixture(scope="module")
-def default_model_scores() -> dict:
-    """test_default_model's prompts continued greedily by the float32 default model; then
-    each model's log-probabilities over prompt + that continuation (teacher-forced: a
-    divergence does not carry on into different text)."""
-    models = {q: load_model(None, "float32", "cpu", quantization=q).model for q in (None, "int8")}
+def default_model_scores_of(quantization: str) -> dict:
+    """test_default_model's prompts continued greedily by the float32 default model; then its
+    and the ``quantization`` model's log-probabilities over prompt + that continuation
+    (teacher-forced: a divergence does not carry on into different text)."""
+    models = {
+        q: load_model(None, "float32", "cpu", quantization=q).model for q in (None, quantization)
+    }
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     harness = PagedHarness(models[None], len(prompts), max_len=128, block_size=16)
@@ -247,27 +248,31 @@ def default_model_scores() -> dict:
     return {"continuations": continuations, **scores}
 
 
-def test_int8_default_model_agrees_with_float32(default_model_scores):
+def agreement_with_float32(scores: dict, quantization: str) -> tuple[float, torch.Tensor]:
+    """(share of positions where the quantised model's argmax is float32's greedy token,
+    |log-probability difference| of that token at every position) of default_model_scores_of."""
+    same = total = 0
+    diffs = []
+    for tokens, lp32, lpq in zip(
+        scores["continuations"], scores[None], scores[quantization], strict=True
+    ):
+        ids = torch.tensor(tokens)
+        assert torch.equal(lp32.argmax(-1), ids)  # (the continuation is float32's greedy one)
+        same += int((lpq.argmax(-1) == ids).sum())
+        total += len(ids)
+        diffs.append((lpq - lp32).gather(1, ids[:, None]).abs())
+    diffs = torch.cat(diffs)
+    print(f"agreement {same}/{total}, logprob diff max {diffs.max():.4f} mean {diffs.mean():.4f}")
+    return same / total, diffs
+
+
+def test_int8_default_model_agrees_with_float32():
     """SmolLM2-135M (its Q4_1 weights, requantised to Q8_0), 4 prompts x 64 tokens continued by
     the float32 model: int8's argmax is float32's at >= 93% of the positions (measured on
     AVX512: 246 / 256, 96%), and its log-probability of float32's token is within 0.3 of
     float32's, 0.04 on average (measured: 0.21 and 0.021)."""
-    same = total = 0
-    diffs = []
-    for tokens, lp32, lp8 in zip(
-        default_model_scores["continuations"],
-        default_model_scores[None],
-        default_model_scores["int8"],
-        strict=True,
-    ):
-        ids = torch.tensor(tokens)
-        assert torch.equal(lp32.argmax(-1), ids)  # (the continuation is float32's greedy one)
-        same += int((lp8.argmax(-1) == ids).sum())
-        total += len(ids)
-        diffs.append((lp8 - lp32).gather(1, ids[:, None]).abs())
-    diffs = torch.cat(diffs)
-    print(f"agreement {same}/{total}, logprob diff max {diffs.max():.4f} mean {diffs.mean():.4f}")
-    assert same >= 0.93 * total
+    agreement, diffs = agreement_with_float32(default_model_scores_of("int8"), "int8")
+    assert agreement >= 0.93
     assert diffs.max() < 0.3 and diffs.mean() < 0.04
 
 

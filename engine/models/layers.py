@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.quant import panel_width, q8_rows, q8_unpacked, q8_weight, quantize_weight
+from engine.models.quant import quantize_weight, quantized_weight
 from kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
@@ -38,10 +38,10 @@ class Linear(nn.Linear):
       the weight's rows as P blocks (P: the largest divisor of out_features up to the thread
       count) and call ``bmm``, giving each block its own thread (MKL runs such a product on one
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
-    - Int8 (``quantize``, ``quantization="int8"``): the C++ kernel of
-      kernels/csrc/cpu_linear_q8.cpp on the weight's Q8_0 pack (``engine.models.quant``),
-      float32 activations quantised per block to int16 inside it; as with the float32 pack,
-      no float copy is kept.
+    - GGUF Q8_0 or Q4_1 (``quantize``, ``quantization="int8"`` / ``"q4_1"``): the C++ kernel of
+      kernels/csrc/cpu_linear_q8.cpp / cpu_linear_q4.cpp on the weight's pack
+      (``engine.models.quant``), float32 activations quantised per block to int16 inside it;
+      as with the float32 pack, no float copy is kept.
     - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
       float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
       SmolLM2-135M's shapes 2.2-2.6x oneDNN's F.linear at 1-2 rows (1.6-1.7x the fp32 kernel:
@@ -91,14 +91,15 @@ class Linear(nn.Linear):
         ):
             pack_weight(weight)
 
-    def quantize(self) -> None:
-        """Quantise the weight to int8 (GGUF Q8_0, ``engine.models.quant``) for the C++ kernel
-        and drop its float data, as ``prepack`` does (float32 activations; CPU only)."""
-        if q8_weight(self.weight) is None:
-            quantize_weight(self.weight)
+    def quantize(self, fmt: str = "q8_0") -> None:
+        """Quantise the weight to GGUF block format ``fmt`` ("q8_0" or "q4_1",
+        ``engine.models.quant``) for the C++ kernel and drop its float data, as ``prepack``
+        does (float32 activations; CPU only). A no-op for a weight already quantised."""
+        if quantized_weight(self.weight) is None:
+            quantize_weight(self.weight, fmt)
 
     def unpack(self) -> None:
-        """Give the weight its plain data back (a no-op for a plain weight; an int8 weight
+        """Give the weight its plain data back (a no-op for a plain weight; a quantised weight
         comes back dequantised)."""
         unpack_weight(self.weight)
 
@@ -125,10 +126,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias  # (each module attribute read costs ~0.5 us)
-        q8 = q8_weight(weight)
-        if q8 is not None:  # int8: the kernel only (it checks x is float32 on the CPU)
-            flat = x.reshape(-1, self.in_features)
-            out = cpu_extension.load().linear_q8(flat, *q8, bias, self.out_features)
+        quant = quantized_weight(weight)
+        if quant is not None:  # Q8_0 / Q4_1: the kernel only (it checks x is float32 on the CPU)
+            out = quant.linear(x.reshape(-1, self.in_features), bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         packed = packed_weight(weight)
         if packed is not None:
@@ -169,14 +169,14 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        packed, q8 = packed_weight(self.weight), q8_weight(self.weight)
-        if packed is None and q8 is None:
+        packed, quant = packed_weight(self.weight), quantized_weight(self.weight)
+        if packed is None and quant is None:
             return super().forward(input_ids)
         ids = input_ids.reshape(-1)
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        if q8 is not None:  # a tied int8 LM head: its rows, dequantised
-            return q8_rows(q8, ids, self.embedding_dim).view(*input_ids.shape, self.embedding_dim)
+        if quant is not None:  # a tied quantised LM head: its rows, dequantised
+            return quant.rows(ids, self.embedding_dim).view(*input_ids.shape, self.embedding_dim)
         if packed.dim() == 3:  # float32 [N / V, K, V]
             width = packed.shape[-1]
             rows = packed[ids // width, :, ids % width]
@@ -224,13 +224,13 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def unpack_weight(weight: torch.Tensor) -> None:
     """Undo ``pack_weight``: the plain data back in the Parameter, the pack dropped."""
-    pack, q8 = packed_weight(weight), q8_weight(weight)
+    pack, quant = packed_weight(weight), quantized_weight(weight)
     if pack is not None:
         weight.data = unpacked(pack, weight.shape)
-    elif q8 is not None:
-        weight.data = q8_unpacked(q8, weight.shape)
+    elif quant is not None:
+        weight.data = quant.unpacked(weight.shape)
     weight.__dict__.pop("pack", None)
-    weight.__dict__.pop("q8", None)
+    weight.__dict__.pop("quantized", None)
 
 
 def unpacked(pack: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
@@ -244,11 +244,11 @@ def unpacked(pack: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.T
 
 def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
     """state_dict() holds the plain weight, not the placeholder."""
-    pack, q8 = packed_weight(weight), q8_weight(weight)
+    pack, quant = packed_weight(weight), quantized_weight(weight)
     if pack is not None and key in destination:
         destination[key] = unpacked(pack, weight.shape)
-    elif q8 is not None and key in destination:
-        destination[key] = q8_unpacked(q8, weight.shape)
+    elif quant is not None and key in destination:
+        destination[key] = quant.unpacked(weight.shape)
 
 
 def _fused_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
@@ -367,10 +367,9 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     ``silu_and_mul``."""
     rows = x.numel() // gate_up_proj.in_features
     inter = gate_up_proj.out_features // 2
-    q8 = q8_weight(gate_up_proj.weight)
-    if q8 is not None and gate_up_proj.bias is None and inter % panel_width(q8[0]) == 0:
-        flat = x.reshape(rows, gate_up_proj.in_features)
-        out = cpu_extension.load().linear_silu_mul_q8(flat, *q8, inter)
+    quant = quantized_weight(gate_up_proj.weight)
+    if quant is not None and gate_up_proj.bias is None and inter % quant.panel_width == 0:
+        out = quant.silu_mul(x.reshape(rows, gate_up_proj.in_features), inter)
         return out.view(*x.shape[:-1], inter)
     packed = gate_up_proj.packed
     if (

@@ -39,7 +39,7 @@ HELP = {
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "longest sequence (default: the model's context length)",
     "seed": "engine seed (unseeded requests)",
-    "quantization": "weight-only quantisation (int8: GGUF Q8_0, CPU float32; default: none)",
+    "quantization": "weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
     "kv_cache_memory": "bytes for the KV cache when --num-kv-blocks is not given",
     "method": "speculative decoding method; off when not given",
     "draft_model": "draft model (draft) or EAGLE head directory (eagle)",

@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8", &linear_q8, "x @ W^T + b with a packed int8 weight (float32 x)", no_gil);
   m.def("linear_silu_mul_q8", &linear_silu_mul_q8, "linear_silu_mul with a packed int8 weight",
         no_gil);
+  m.def("pack_q4_weight", &pack_q4_weight, "Pack a GGUF Q4_1 weight (q, d, m)", no_gil);
+  m.def("linear_q4", &linear_q4, "x @ W^T + b with a packed Q4_1 weight (float32 x)", no_gil);
+  m.def("linear_silu_mul_q4", &linear_silu_mul_q4, "linear_silu_mul with a packed Q4_1 weight",
+        no_gil);
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16,
         "Pack a bfloat16 [N, K] weight for linear_bf16", no_gil);
   m.def("pack_linear_weight_bf16_", &pack_linear_weight_bf16_,

@@ -67,6 +67,21 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed_q, const at::
 at::Tensor linear_silu_mul_q8(const at::Tensor& x, const at::Tensor& packed_q,
                               const at::Tensor& packed_d, int64_t intermediate);
 
+// GGUF Q4_1 weight-only linear (cpu_linear_q4.cpp): per row, blocks of 32 along K, w = d * q + m
+// with q in [0, 15], given as qs uint8 [N, K] and d, m float16 values (float32 or float16)
+// [N, ceil(K / 32)], packed into panels: returns {q [ceil(N / V)][ceil(K / 32) * 8][V][2] uint8
+// (two 4-bit q a byte), dm [ceil(N / V)][ceil(K / 32)][2][V] float16}.
+std::vector<at::Tensor> pack_q4_weight(const at::Tensor& qs, const at::Tensor& d,
+                                       const at::Tensor& m);
+
+// x [M, K] @ dequant(weight)^T + bias for a weight packed by pack_q4_weight (float32 sums).
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& packed_q, const at::Tensor& packed_dm,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// linear_silu_mul for a gate_up weight packed by pack_q4_weight.
+at::Tensor linear_silu_mul_q4(const at::Tensor& x, const at::Tensor& packed_q,
+                              const at::Tensor& packed_dm, int64_t intermediate);
+
 // cpu_linear_bf16.cpp: a bfloat16 weight [N, K] packed for linear_bf16 as
 // [ceil(N / 16)][ceil(K / 2)][16][2] (k in pairs; padding 0), the same at every SIMD level.
 at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
