@@ -9,8 +9,8 @@ bits. It runs only where the Python loop would run exactly those kernels:
 - CPU activations of float32 or bf16, no autograd (grad mode off), the extension builds;
 - every layer a plain ``LlamaDecoderLayer`` without qwen3's q/k norm, on one device (no
   tensor parallelism: the model then has no stack);
-- every Linear of the layers packed for the activations' dtype (float32 or bf16) or int8 with
-  float32 activations; the norms and biases of the activations' dtype;
+- every Linear of the layers packed for the activations' dtype (float32 or bf16) or int8; the
+  norms and biases of the activations' dtype;
 - the step's attention backend resolves to "cpu".
 
 Built on first use, it holds the weights' Parameters themselves: the C++ side checks on every
@@ -65,14 +65,9 @@ class LayerStack:
         the loop does; None where the stack does not apply (nothing has run then)."""
         if torch.is_grad_enabled() or not h.is_cpu or h.dim() != 2:
             return None
-        if self._stack is None or self._dtype is not h.dtype:
-            signature = _signature(layers)
-            if signature == self._refused and self._dtype is h.dtype:
-                return None
-            self._stack, self._dtype = build_stack(layers, h.dtype), h.dtype
-            if self._stack is None:
-                self._refused = signature
-                return None
+        stack = self._current(layers, h.dtype)
+        if stack is None:
+            return None
         if not meta.planned:
             attn = layers[0].self_attn
             query = h.new_empty((h.shape[0], attn.num_heads, attn.head_dim))
@@ -83,11 +78,21 @@ class LayerStack:
         ):
             return None
         args = (write.slot_mapping, plan.block_tables, plan.cu_query_lens, plan.seq_lens)
-        out = self._stack.forward(h, cos, sin, kv_caches, *args)
-        if not out:  # a pack went stale before anything ran: rebuild (or refuse) once
-            self._stack = None
-            return self.run(layers, h, cos, sin, kv_caches, meta)
-        return out[0], out[1]
+        out = stack.forward(h, cos, sin, kv_caches, *args)
+        # [] only if a pack went stale since _current (nothing ran): the Python loop, this once
+        return (out[0], out[1]) if out else None
+
+    def _current(self, layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> object | None:
+        """The stack for ``dtype`` activations with every pack current: the one built before,
+        else a new one; None while the layers are refused."""
+        if self._stack is not None and self._dtype is dtype and self._stack.current():
+            return self._stack
+        signature = _signature(layers)
+        if self._stack is None and self._dtype is dtype and signature == self._refused:
+            return None
+        self._stack, self._dtype = build_stack(layers, dtype), dtype
+        self._refused = signature if self._stack is None else None
+        return self._stack
 
 
 def _signature(layers: Sequence[LlamaDecoderLayer]) -> tuple[int, int]:
@@ -143,9 +148,7 @@ def _stack_linear(ext, linear: Linear, dtype: torch.dtype) -> object | None:
     if type(linear) is not Linear or (bias is not None and bias.dtype is not dtype):
         return None
     q8 = q8_weight(weight)
-    if q8 is not None:
-        if dtype is not torch.float32:
-            return None
+    if q8 is not None:  # (Linear.forward runs linear_q8 on any x; the kernel checks it)
         return ext.StackLinear(
             _Q8, weight, weight.data_ptr(), q8[0], q8[1], bias, linear.out_features
         )
