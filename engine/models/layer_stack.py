@@ -7,8 +7,8 @@ same kernels on the same arguments in the same order, so its results are the Pyt
 bits. It runs only where the Python loop would run exactly those kernels:
 
 - CPU activations of float32 or bf16, no autograd (grad mode off), the extension builds;
-- every layer a plain ``LlamaDecoderLayer`` without qwen3's q/k norm, on one device (no
-  tensor parallelism: the model then has no stack);
+- every layer a ``LlamaDecoderLayer`` (qwen3's q/k norm included) on one device (no tensor
+  parallelism: the model then has no stack);
 - every Linear of the layers packed for the activations' dtype (float32 or bf16) or int8; the
   norms and biases of the activations' dtype;
 - the step's attention backend resolves to "cpu".
@@ -114,7 +114,8 @@ def build_stack(layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> obje
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if attn.qk_norm or not all(_norm_ok(n, dtype) for n in norms):
+        head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        if not all(_norm_ok(n, dtype) for n in (*norms, *head_norms) if n is not None):
             return None
         linears = [
             _stack_linear(ext, lin, dtype)
@@ -128,6 +129,8 @@ def build_stack(layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> obje
                 norms[0].eps,
                 norms[1].weight,
                 norms[1].eps,
+                *_weight_eps(head_norms[0]),
+                *_weight_eps(head_norms[1]),
                 *linears,
                 fused_mlp=swiglu_fuses(mlp.gate_up_proj),
             )
@@ -136,6 +139,10 @@ def build_stack(layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> obje
     return ext.DecoderStack(
         stacked, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale
     )
+
+
+def _weight_eps(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
 
 
 def _norm_ok(norm: RMSNorm, dtype: torch.dtype) -> bool:

@@ -112,11 +112,14 @@ struct StackLinear {
   int64_t out_features;
 };
 
-// One LlamaDecoderLayer (no qk norm). fused_mlp: swiglu's one-call path (else the gate_up
-// product, then silu_and_mul), decided in Python by engine.models.layers.fused_swiglu_kernel.
+// One LlamaDecoderLayer. q_norm/k_norm: qwen3's per-head RMSNorm of q and k before rope
+// (absent: none). fused_mlp: swiglu's one-call path (else the gate_up product, then
+// silu_and_mul), decided in Python by engine.models.layers.swiglu_fuses.
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   double input_eps, post_eps;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  double q_eps, k_eps;
   StackLinear qkv, o_proj, gate_up, down;
   bool fused_mlp;
 };

@@ -117,8 +117,13 @@ std::vector<at::Tensor> DecoderStack::forward(
     }
     // LlamaAttention.project: one rope call over the query and key heads of the qkv product.
     const at::Tensor qkv = layer.qkv(h);
-    const at::Tensor qk =
+    at::Tensor qk =
         qkv.narrow(-1, 0, q_size + kv_size).view({tokens, num_heads_ + num_kv_heads_, head_dim_});
+    if (layer.q_norm.has_value()) {
+      qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads_), *layer.q_norm, layer.q_eps),
+                    rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, layer.k_eps)},
+                   1);
+    }
     const at::Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size)
                              .view({tokens, num_kv_heads_, head_dim_});
     const at::Tensor rotated = rotary(qk, cos, sin);
