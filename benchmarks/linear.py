@@ -8,10 +8,11 @@ linear (``torch.ops.mkldnn._linear_pointwise`` on a weight reordered for that ro
 packed C++ GEMM), alternated --repeats times; medians, GB/s, GFLOP/s.
 
 Int8 weights (``quantization="int8"``, measured with the float32 model): ``Linear`` quantised to
-GGUF Q8_0 (the C++ kernel of cpu_linear_q8.cpp, float32 activations) against the library kernels
-for int8 weights: torch's ``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16
-activations) and oneDNN's int8 linear (``onednn.qlinear_pointwise``: it takes int8 activations,
-quantised per call here).
+GGUF Q8_0 (the C++ kernel of cpu_linear_q8.cpp: float32 activations, quantised to int16 per
+block inside it; 1 + 2/32 bytes a weight) against the library kernels for int8 weights:
+torch's ``_weight_int8pack_mm`` (per-channel int8, float32 and bfloat16 activations) and
+oneDNN's int8 linear (``onednn.qlinear_pointwise``: it takes int8 activations, quantised per
+call here).
 """
 
 import torch
@@ -121,7 +122,7 @@ def columns(ms: dict, sizes: dict, rows: int, prefix: str = "") -> dict:
         "linear_gflops": 2 * sizes["params"] * rows / ms["linear"] / 1e6}.items()}  # fmt: skip
     if "int8" in ms:
         out |= {"int8_ms": ms["int8"], "int8_vs_linear": ms["linear"] / ms["int8"],
-                "int8_gbs": sizes["params"] * (1 + 4 / 32) / ms["int8"] / 1e6,
+                "int8_gbs": sizes["params"] * (1 + 2 / 32) / ms["int8"] / 1e6,
                 "int8pack_mm_ms": ms.get("int8pack_mm"),
                 "int8pack_mm_bf16_ms": ms.get("int8pack_mm_bf16"),
                 "onednn_int8_ms": ms.get("onednn_int8")}  # fmt: skip

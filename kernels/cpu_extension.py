@@ -49,12 +49,27 @@ def load() -> ModuleType:
     simd = capability if capability in _SIMD_FLAGS else "DEFAULT"
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={simd}", f"-DCPU_CAPABILITY_{simd}"]
     flags += _SIMD_FLAGS.get(simd, [])
+    if simd == "AVX512" and "avx512_vnni" in _cpu_flags():
+        flags.append("-mavx512vnni")  # the int8 kernel's vpdpwssd (cpu_linear_q8.cpp)
     return cpp_extension.load(
         name=build_name(simd, flags, _CSRC),
         sources=[str(_CSRC / name) for name in _SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
     )
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere). The extension is built
+    on the machine that runs it, and the flags are part of its build name."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def build_name(simd: str, flags: list[str], csrc: Path) -> str:

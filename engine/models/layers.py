@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.quant import q8_rows, q8_unpacked, q8_weight, quantize_weight
+from engine.models.quant import panel_width, q8_rows, q8_unpacked, q8_weight, quantize_weight
 from kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
@@ -40,7 +40,8 @@ class Linear(nn.Linear):
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
     - Int8 (``quantize``, ``quantization="int8"``): the C++ kernel of
       kernels/csrc/cpu_linear_q8.cpp on the weight's Q8_0 pack (``engine.models.quant``),
-      float32 activations; as with the float32 pack, no float copy is kept.
+      float32 activations quantised per block to int16 inside it; as with the float32 pack,
+      no float copy is kept.
     - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
       float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
       SmolLM2-135M's shapes 2.2-2.6x oneDNN's F.linear at 1-2 rows (1.6-1.7x the fp32 kernel:
@@ -175,7 +176,7 @@ class Embedding(nn.Embedding):
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         if q8 is not None:  # a tied int8 LM head: its rows, dequantised
-            return q8_rows(q8, ids).view(*input_ids.shape, self.embedding_dim)
+            return q8_rows(q8, ids, self.embedding_dim).view(*input_ids.shape, self.embedding_dim)
         if packed.dim() == 3:  # float32 [N / V, K, V]
             width = packed.shape[-1]
             rows = packed[ids // width, :, ids % width]
@@ -227,7 +228,7 @@ def unpack_weight(weight: torch.Tensor) -> None:
     if pack is not None:
         weight.data = unpacked(pack, weight.shape)
     elif q8 is not None:
-        weight.data = q8_unpacked(q8, weight.shape[0])
+        weight.data = q8_unpacked(q8, weight.shape)
     weight.__dict__.pop("pack", None)
     weight.__dict__.pop("q8", None)
 
@@ -247,7 +248,7 @@ def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
     if pack is not None and key in destination:
         destination[key] = unpacked(pack, weight.shape)
     elif q8 is not None and key in destination:
-        destination[key] = q8_unpacked(q8, weight.shape[0])
+        destination[key] = q8_unpacked(q8, weight.shape)
 
 
 def _fused_cpu(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
@@ -388,7 +389,7 @@ def swiglu_fuses(gate_up_proj: Linear) -> bool:
     inter = gate_up_proj.out_features // 2
     q8 = q8_weight(gate_up_proj.weight)
     if q8 is not None:
-        return inter % q8[0].shape[-1] == 0
+        return inter % panel_width(q8[0]) == 0
     packed = gate_up_proj.packed
     if packed is None:
         return False

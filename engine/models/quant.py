@@ -5,8 +5,10 @@ Q8_0 quantises each weight row in blocks of 32 along K: d = max|w| / 127 and q =
 gguf-py's and ggml's quantiser compute (tests compare the bits), so a Q8_0 GGUF tensor and our
 quantisation of the same float weights agree, and quantising a Q8_0 tensor's dequantised values
 gives its shipped q and d back. A quantised weight keeps one copy: the kernel's panel pack of q
-(1 byte a weight) and d (float32, 1/8 byte a weight); the Parameter's data becomes a 4-byte
-placeholder as with the float32 pack (``engine.models.layers.pack_weight``).
+(1 byte a weight) and d (float16, 1/16 byte a weight); the Parameter's data becomes a 4-byte
+placeholder as with the float32 pack (``engine.models.layers.pack_weight``). The kernel takes
+float32 activations and quantises them per block to int16 on the fly (its file comment says
+why; an error below 1/65534 of a block's largest value).
 """
 
 import torch
@@ -71,12 +73,12 @@ def quantize_weight(
             part = q8[0][start:stop], q8[1][start:stop].float()
         part_q, part_d = pack(*part)
         if packs is None:  # the SIMD width V (panel columns) is the kernel's choice
-            panels = -(-rows // part_q.shape[-1])
+            panels = -(-rows // panel_width(part_q))
             packs = (
                 torch.empty(panels, *part_q.shape[1:], dtype=torch.int8),
-                torch.empty(panels, *part_d.shape[1:], dtype=torch.float32),
+                torch.empty(panels, *part_d.shape[1:], dtype=torch.float16),
             )
-        first = start // part_q.shape[-1]
+        first = start // panel_width(part_q)
         packs[0][first : first + len(part_q)] = part_q
         packs[1][first : first + len(part_d)] = part_d
     weight.data = torch.full((1, 1), float("nan")).expand(weight.shape)
@@ -91,18 +93,26 @@ def q8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return packed_q, packed_d
 
 
-def q8_rows(q8: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` [T] of the dequantised weight, float32 [T, K] (a tied embedding's lookup):
-    row n's weights sit at [n // V, :, n % V] of the pack, its scales likewise."""
+def panel_width(packed_q: torch.Tensor) -> int:
+    """V, the output columns of one panel of a q pack [N / V, Kp / 2, V, 2]."""
+    return packed_q.shape[-2]
+
+
+def q8_rows(q8: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, cols: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of the dequantised [N, cols] weight, float32 [T, cols] (a tied
+    embedding's lookup): row n's weights sit at [n // V, :, n % V, :] of the q pack (k in
+    pairs), its scales at [n // V, :, n % V] of the d pack."""
     packed_q, packed_d = q8
-    width = packed_q.shape[-1]
+    width = panel_width(packed_q)
     panel, col = ids // width, ids % width
-    return dequantize_q8_0(packed_q[panel, :, col], packed_d[panel, :, col])
+    qs = packed_q[panel, :, col].flatten(1)[:, :cols]
+    return dequantize_q8_0(qs, packed_d[panel, :, col])
 
 
-def q8_unpacked(q8: tuple[torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
-    """The dequantised plain [rows, K] float32 weight (a new tensor)."""
+def q8_unpacked(q8: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """The dequantised plain [N, K] float32 weight of ``shape`` (a new tensor)."""
     packed_q, packed_d = q8
-    qs = packed_q.transpose(1, 2).reshape(-1, packed_q.shape[1])[:rows]
+    rows, cols = shape
+    qs = packed_q.permute(0, 2, 1, 3).reshape(-1, 2 * packed_q.shape[1])[:rows, :cols]
     ds = packed_d.transpose(1, 2).reshape(-1, packed_d.shape[1])[:rows]
     return dequantize_q8_0(qs, ds)

@@ -52,12 +52,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
 // pack_linear_weight (intermediate a multiple of the SIMD width); returns [M, intermediate].
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
 
-// Int8 weight-only linear (cpu_linear_q8.cpp): a weight quantised as GGUF Q8_0 (per row, blocks of
-// 32 along K, w = d * q) given as qs int8 [N, K] and d float32 [N, ceil(K / 32)], packed into
-// panels: returns {q [ceil(N / V)][K][V] int8, d [ceil(N / V)][ceil(K / 32)][V] float32}.
+// Int8-weight linear (cpu_linear_q8.cpp): a weight quantised as GGUF Q8_0 (per row, blocks of 32
+// along K, w = d * q) given as qs int8 [N, K] and d [N, ceil(K / 32)] (float16 values, as float32
+// or float16), packed into panels: returns {q [ceil(N / V)][Kp / 2][V][2] int8 (Kp: K rounded up
+// to a block), d [ceil(N / V)][Kp / 32][V] float16}.
 std::vector<at::Tensor> pack_q8_weight(const at::Tensor& qs, const at::Tensor& scales);
 
-// x [M, K] @ dequant(weight)^T + bias for a weight packed by pack_q8_weight (float32 sums).
+// x [M, K] float32 @ dequant(weight)^T + bias for a weight packed by pack_q8_weight: x quantised
+// per block to int16, integer block dot products, float32 sums.
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& packed_q, const at::Tensor& packed_d,
                      const c10::optional<at::Tensor>& bias, int64_t out_features);
 
