@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py tests/test_linear_bf16.py \
 	    tests/test_layers_fused.py tests/test_models.py tests/test_quant_int8.py \
-	    tests/test_quant_q4.py
+	    tests/test_quant_q4.py tests/test_layer_stack.py
 	$(MAKE) gpu-dry-run
 
 lint: setup

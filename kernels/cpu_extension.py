@@ -32,6 +32,7 @@ _SOURCES = (
     "cpu_linear_q8.cpp",
     "cpu_linear_q4.cpp",
     "cpu_linear_bf16.cpp",
+    "cpu_layer_stack.cpp",
 )
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 _SIMD_FLAGS = {

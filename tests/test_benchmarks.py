@@ -21,6 +21,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 from benchmarks import (
     block_manager,
     kernels,
+    layer_stack,
     linear,
     report,
     run_all,
@@ -399,3 +400,11 @@ def test_component_benchmarks_run(tiny_llama, tmp_path, monkeypatch):
     assert "## Linear layers" in text and "## Paged attention on the CPU" in text
     assert "int8 Linear ms" in text and "Q4_1 Linear ms" in text
     assert "## KV block manager" in text
+
+
+def test_layer_stack_benchmark_runs_both_sides(tiny_llama):
+    argv = ["--model", tiny_llama, "--precision", "fp32", "--batch-size", "2", "--output-len", "4"]
+    result = layer_stack.run(layer_stack.build_parser().parse_args([*argv, "--repeats", "1"]))
+    assert result["same_tokens"]
+    for side in ("stack", "python"):
+        assert 0 < result[side]["cpu_min_ms"] <= result[side]["cpu_p50_ms"]

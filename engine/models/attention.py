@@ -28,6 +28,16 @@ class AttentionMetadata:
     planned: bool = False
 
 
+def plan_step(meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Build the step's plans into ``meta`` for queries shaped like ``query`` (only its shape,
+    dtype and device are read) on caches shaped like ``k_cache``."""
+    meta.write_plan = kernels.plan_write_kv_cache(meta.slot_mapping, k_cache, meta.backend)
+    meta.plan = kernels.plan_paged_attention(
+        query, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend
+    )
+    meta.planned = True
+
+
 class PagedAttention(nn.Module):
     """Stores new K/V in the paged cache, then runs causal GQA attention over all spans at once."""
 
@@ -54,11 +64,7 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D], caches [N, B, Hkv, D] -> attention output [T, Hq, D]."""
         k_cache, v_cache = kv_cache
         if not meta.planned:
-            meta.write_plan = kernels.plan_write_kv_cache(meta.slot_mapping, k_cache, meta.backend)
-            meta.plan = kernels.plan_paged_attention(
-                q, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend
-            )
-            meta.planned = True
+            plan_step(meta, q, k_cache)
         kernels.write_kv_cache(
             k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend, plan=meta.write_plan
         )

@@ -362,28 +362,38 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up_proj(x) ([gate | up] fused projection): one C++ call that never
-    writes the 2I-wide product when the projection is packed, without a bias, and I is a
-    multiple of the panel width (float32: the SIMD width; bf16: 16); else the projection, then
-    ``silu_and_mul``."""
-    rows = x.numel() // gate_up_proj.in_features
-    inter = gate_up_proj.out_features // 2
-    quant = quantized_weight(gate_up_proj.weight)
-    if quant is not None and gate_up_proj.bias is None and inter % quant.panel_width == 0:
-        out = quant.silu_mul(x.reshape(rows, gate_up_proj.in_features), inter)
-        return out.view(*x.shape[:-1], inter)
-    packed = gate_up_proj.packed
-    if (
-        gate_up_proj.bias is None
-        and gate_up_proj._pack_is_current()  # (the weight needs no gradient)
-        and _fused_cpu(x, dtype=packed.dtype)
-    ):
+    writes the 2I-wide product where ``swiglu_fuses`` (and, for a float pack, x is of its dtype
+    and needs no gradient); else the projection, then ``silu_and_mul``."""
+    if swiglu_fuses(gate_up_proj):
+        rows = x.numel() // gate_up_proj.in_features
+        inter = gate_up_proj.out_features // 2
         flat = x.reshape(rows, gate_up_proj.in_features)
         ext = cpu_extension.load()
-        if packed.dtype == torch.float32 and inter % packed.shape[-1] == 0:
-            return ext.linear_silu_mul(flat, packed, inter).view(*x.shape[:-1], inter)
-        if packed.dtype == torch.bfloat16 and inter % 16 == 0:
-            return ext.linear_silu_mul_bf16(flat, packed, inter).view(*x.shape[:-1], inter)
+        quant = quantized_weight(gate_up_proj.weight)
+        if quant is not None:
+            return quant.silu_mul(flat, inter).view(*x.shape[:-1], inter)
+        packed = gate_up_proj.packed
+        if gate_up_proj._pack_is_current() and _fused_cpu(x, dtype=packed.dtype):
+            fp32 = packed.dtype == torch.float32
+            kernel = ext.linear_silu_mul if fp32 else ext.linear_silu_mul_bf16
+            return kernel(flat, packed, inter).view(*x.shape[:-1], inter)
     return silu_and_mul(gate_up_proj(x))
+
+
+def swiglu_fuses(gate_up_proj: Linear) -> bool:
+    """Whether the weight has a one-call SwiGLU kernel: quantised or packed, no bias, and I a
+    multiple of the pack's panel width (quantised and float32: the SIMD width; bf16: 16). The
+    decoder stack (``engine.models.layer_stack``) asks this too, so both paths agree."""
+    if gate_up_proj.bias is not None:
+        return False
+    inter = gate_up_proj.out_features // 2
+    quant = quantized_weight(gate_up_proj.weight)
+    if quant is not None:
+        return inter % quant.panel_width == 0
+    packed = gate_up_proj.packed
+    if packed is None:
+        return False
+    return inter % (packed.shape[-1] if packed.dtype == torch.float32 else 16) == 0
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
 from engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
 from engine.models.attention import AttentionMetadata, PagedAttention
+from engine.models.layer_stack import LayerStack
 from engine.models.layers import (
     Embedding,
     Linear,
@@ -164,6 +165,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        # The layers in one C++ call where it computes the same bits (CPU, one device; see
+        # engine.models.layer_stack); None runs the Python loop always.
+        self.layer_stack: LayerStack | None = LayerStack() if shard.size == 1 else None
 
     def forward(
         self,
@@ -174,6 +178,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
+        stack = self.layer_stack
+        if stack is not None and (out := stack.run(self.layers, h, cos, sin, kv_caches, meta)):
+            return self.norm(*out)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)

@@ -38,4 +38,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32/bf16)",
         no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32/bf16)", no_gil);
+
+  // The decoder-layer stack (cpu_layer_stack.cpp), built once by engine/models/layer_stack.py.
+  py::class_<StackLinear>(m, "StackLinear")
+      .def(py::init<int64_t, at::Tensor, int64_t, at::Tensor, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, int64_t>(),
+           py::arg("kind"), py::arg("weight"), py::arg("placeholder"), py::arg("pack"),
+           py::arg("pack_scales"), py::arg("bias"), py::arg("out_features"));
+  py::class_<StackLayer>(m, "StackLayer")
+      .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm,
+                       double post_eps, c10::optional<at::Tensor> q_norm, double q_eps,
+                       c10::optional<at::Tensor> k_norm, double k_eps, StackLinear qkv,
+                       StackLinear o_proj, StackLinear gate_up, StackLinear down,
+                       bool fused_mlp) {
+             TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
+                               "q_norm and k_norm come together");
+             return StackLayer{std::move(input_norm), std::move(post_norm), input_eps,
+                               post_eps,           std::move(q_norm),    std::move(k_norm),
+                               q_eps,              k_eps,                std::move(qkv),
+                               std::move(o_proj),  std::move(gate_up),   std::move(down),
+                               fused_mlp};
+           }),
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"),
+           py::arg("post_eps"), py::arg("q_norm"), py::arg("q_eps"), py::arg("k_norm"),
+           py::arg("k_eps"), py::arg("qkv"), py::arg("o_proj"), py::arg("gate_up"),
+           py::arg("down"), py::arg("fused_mlp"));
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<StackLayer>, int64_t, int64_t, int64_t, double>(),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("scale"))
+      .def("current", &DecoderStack::current, "Whether every pack is still its weight's data")
+      .def("forward", &DecoderStack::forward,
+           "The decoder layers on h: [last MLP output, residual], or [] for a stale pack", no_gil);
 }

@@ -102,3 +102,63 @@ at::Tensor linear_silu_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
 
 // Whether linear_bf16 can run AVX512-BF16 here (the build and the CPU).
 bool linear_bf16_has_dot();
+
+// cpu_layer_stack.cpp: the decoder layers of engine/models/llama.py run in one call (the CPU
+// fast path of LlamaModel.forward), calling the kernels above in the order and with the
+// arguments the Python layers use, so the results are the same bits.
+
+// One Linear as Linear.forward runs it on its packed or quantised weight. `weight` is the
+// Parameter itself (not a copy: a new `.data` in Python shows here), `placeholder` the address
+// its data had when the pack was made: the pack is current while the two agree.
+struct StackLinear {
+  // linear, linear_bf16, linear_q8, linear_q4
+  enum Kind : int64_t { kFloat = 0, kBFloat16 = 1, kQ8 = 2, kQ4 = 3 };
+  StackLinear(int64_t kind, at::Tensor weight, int64_t placeholder, at::Tensor pack,
+              c10::optional<at::Tensor> pack_scales, c10::optional<at::Tensor> bias,
+              int64_t out_features);
+  bool current() const;
+  at::Tensor operator()(const at::Tensor& x) const;
+  // silu(gate) * up of this gate_up projection in one call (swiglu's fused path).
+  at::Tensor silu_mul(const at::Tensor& x) const;
+
+  int64_t kind;
+  at::Tensor weight;
+  int64_t placeholder;
+  at::Tensor pack;
+  c10::optional<at::Tensor> pack_scales;  // Q8_0: the second tensor of q8_weight()
+  c10::optional<at::Tensor> bias;
+  int64_t out_features;
+};
+
+// One LlamaDecoderLayer. q_norm/k_norm: qwen3's per-head RMSNorm of q and k before rope
+// (absent: none). fused_mlp: swiglu's one-call path (else the gate_up product, then
+// silu_and_mul), decided in Python by engine.models.layers.swiglu_fuses.
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  double input_eps, post_eps;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  double q_eps, k_eps;
+  StackLinear qkv, o_proj, gate_up, down;
+  bool fused_mlp;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<StackLayer> layers, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double scale);
+  // Whether every layer's packs are still the Parameters' data.
+  bool current() const;
+  // h [T, hidden] (the embeddings; written in place, as the Python layers do) -> {the last MLP
+  // output, the residual stream}: the Python loop's (h, residual). cos/sin [T, head_dim]; the
+  // attention metadata as cpu_attention's plans hold them. Empty when a pack is stale (nothing
+  // has run then: the caller rebuilds the stack or takes the Python path).
+  std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                                  const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
+                                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                  const at::Tensor& cu_query_lens, const at::Tensor& seq_lens) const;
+
+ private:
+  std::vector<StackLayer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+};
