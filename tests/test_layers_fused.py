@@ -82,6 +82,26 @@ def test_fused_silu_and_mul_matches_formula(shape, gen, monkeypatch):
     assert close(got, formula(monkeypatch, layers.silu_and_mul, gate_up))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_gives_the_separate_ops_bits(dtype, gen, monkeypatch):
+    """RMSNorm(h, residual) in one in-place C++ call equals the add (rounded to the dtype) and
+    then rms_norm, bit for bit, and is the path taken for float32 and bf16."""
+    ext = cpu_extension.load()
+    calls = []
+    fused = ext.add_rms_norm_
+    monkeypatch.setattr(ext, "add_rms_norm_", lambda *a: calls.append(1) or fused(*a))
+    norm = layers.RMSNorm(576, 1e-5).requires_grad_(False)
+    norm.weight.data = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    h = (torch.randn(7, 576, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(7, 576, generator=gen) * 10).to(dtype)
+    added = h + residual
+    expected = ext.rms_norm(added, norm.weight, norm.eps)
+    got, got_residual = norm(h.clone(), residual.clone())
+    assert calls == [1]
+    assert torch.equal(got_residual, added)
+    assert torch.equal(got, expected)
+
+
 def test_fused_ops_reject_other_dtypes_with_a_clear_error():
     ext = cpu_extension.load()
     with pytest.raises(ValueError, match="float32"):

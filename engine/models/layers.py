@@ -272,6 +272,10 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+# Activation dtypes whose residual add and RMSNorm run as one in-place C++ op (add_rms_norm_).
+_ADD_NORM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, exactly as HF's LlamaRMSNorm."""
 
@@ -284,15 +288,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the decoder layer's
-        residual add fused with the norm after it. The fused C++ op (float32) writes both
-        results in place, into x and residual (which must own their memory: fresh layer
-        outputs)."""
+        residual add fused with the norm after it. The fused C++ op (float32 or bf16, the
+        separate add's and norm's bits) writes both results in place, into x and residual
+        (which must own their memory: fresh layer outputs)."""
         if residual is None:
             if _layer_op_cpu(x, self.weight):
                 return cpu_extension.load().rms_norm(x, self.weight, self.eps)
             return self._norm(x)
         if (
-            _fused_cpu(x, residual, self.weight)
+            x.dtype in _ADD_NORM_DTYPES
+            and _fused_cpu(x, residual, self.weight, dtype=x.dtype)
             and x.shape == residual.shape
             and x.is_contiguous()
             and residual.is_contiguous()

@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_has_dot", &linear_bf16_has_dot, "Whether linear_bf16 runs AVX512-BF16");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32/bf16)", no_gil);
   m.def("add_rms_norm_", &add_rms_norm_,
-        "In place: residual += x, x = RMSNorm(residual) (float32)", no_gil);
+        "In place: residual += x, x = RMSNorm(residual) (float32/bf16)", no_gil);
   m.def("rotary", &rotary, "Rotate-half rope of [T, H, D] by cos/sin [T, D] (float32/bf16)",
         no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (float32/bf16)", no_gil);

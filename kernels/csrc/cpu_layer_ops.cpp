@@ -126,9 +126,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  TORCH_CHECK_VALUE(common_dtype({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}}) ==
-                        at::kFloat,
-                    "add_rms_norm_ takes float32 tensors");
+  const auto dtype = common_dtype({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}});
   const int64_t dim = x.size(-1);
   TORCH_CHECK_VALUE(x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous(),
                     "x and residual must be contiguous and of one shape, got ", x.sizes(), " and ",
@@ -136,12 +134,28 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == dim, "weight must be [", dim, "], got ",
                     weight.sizes());
   const auto w = weight.contiguous();
+  const auto e = static_cast<float>(eps);
+  const int64_t rows = x.numel() / std::max<int64_t>(1, dim);
+  if (dtype == at::kBFloat16) {
+    // residual + x rounded to bf16 as the separate add rounds it, then rms_norm's rows into x.
+    auto* rp = residual.data_ptr<at::BFloat16>();
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+      std::vector<float> rbuf, xbuf, sum(dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const float* ri = as_float(rp + i * dim, dim, rbuf);
+        const float* xi = as_float(xp + i * dim, dim, xbuf);
+        at::vec::map2([](Vec r, Vec v) { return r + v; }, sum.data(), ri, xi, dim);
+        store_row(sum.data(), rp + i * dim, dim);
+      }
+    });
+    rms_norm_rows(rp, w.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), rows, dim, e);
+    return;
+  }
   const float* wp = w.data_ptr<float>();
   float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
-  const auto e = static_cast<float>(eps);
-  at::parallel_for(0, x.numel() / std::max<int64_t>(1, dim), grain(dim), [&](int64_t begin,
-                                                                            int64_t end) {
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* ri = rp + i * dim;
       float* xi = xp + i * dim;

@@ -61,12 +61,13 @@ at::Tensor StackLinear::silu_mul(const at::Tensor& x) const {
 
 namespace {
 
-// RMSNorm.forward(h, residual): the fused in-place op where Python takes it (all float32,
-// one shape, both contiguous), else residual = h + residual and h = rms_norm(residual).
+// RMSNorm.forward(h, residual): the fused in-place op where Python takes it (all float32 or
+// all bf16, one shape, both contiguous), else residual = h + residual and h = rms_norm(residual).
 void add_norm(at::Tensor& h, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  const bool fused = h.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat &&
-                     weight.scalar_type() == at::kFloat && h.sizes() == residual.sizes() &&
-                     h.is_contiguous() && residual.is_contiguous();
+  const auto dtype = h.scalar_type();
+  const bool fused = (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                     residual.scalar_type() == dtype && weight.scalar_type() == dtype &&
+                     h.sizes() == residual.sizes() && h.is_contiguous() && residual.is_contiguous();
   if (fused) {
     add_rms_norm_(h, residual, weight, eps);
   } else {
