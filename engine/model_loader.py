@@ -6,6 +6,9 @@ a ``.gguf`` file (dequantized by ``engine.gguf_loader``), or ``None`` for the de
 """
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -253,6 +256,26 @@ def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str
                     raise ValueError(f"{file!r} ends inside tensor {name!r}")
                 dtype = _SAFETENSORS_DTYPES[info["dtype"]]
                 yield name, buffer.view(dtype).reshape(info["shape"])
+                del buffer
+                trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    A tensor's read buffer is freed once copied, but glibc keeps freed chunks below its mmap
+    threshold, which rises (to 32 MB) after the first large buffer is unmapped: without a trim
+    per tensor those chunks added 22 MB to the default model's peak RSS of loading."""
+    malloc_trim = _malloc_trim()
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return getattr(libc, "malloc_trim", None)
 
 
 def _open_gguf(path: str, dummy: bool) -> _Source:

@@ -4,6 +4,7 @@ tiny size."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import cli, losses
+from engine.spec_decode.train_eagle import cli, losses, prompts
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -163,6 +164,25 @@ def test_prompts_are_deterministic_and_distinct():
     assert a != make_prompts(300, seed=4)
 
 
+def test_prompts_mix_in_chat_templates_after_the_base_ones():
+    """The first BASE_ONLY prompts are the base templates alone (cached answers of the shipped
+    head stay valid); after them every other prompt is an everyday-chat one."""
+    n = prompts.BASE_ONLY + 200
+    a = make_prompts(n)
+    assert len(set(a)) == n and a[: prompts.BASE_ONLY] == make_prompts(prompts.BASE_ONLY)
+
+    def patterns(templates) -> list[re.Pattern]:
+        return [re.compile(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), re.I) for t, _ in templates]
+
+    chat, base = patterns(prompts.CHAT_TEMPLATES), patterns(prompts.TEMPLATES)
+
+    def is_chat(text: str) -> bool:
+        return any(p.match(text) for p in chat) and not any(p.match(text) for p in base)
+
+    assert not any(map(is_chat, a[: prompts.BASE_ONLY]))
+    assert sum(map(is_chat, a[prompts.BASE_ONLY :])) > 40
+
+
 def test_training_script_end_to_end(tmp_path):
     model = build_tiny_llama(tmp_path / "model")
     chat = tmp_path / "chat.jsonl"
@@ -176,6 +196,7 @@ def test_training_script_end_to_end(tmp_path):
         "--max-tokens", "16", "--draft-vocab-size", "64", "--steps", "150", "--batch-size", "4",
         "--lr", "3e-3", "--chunk-size", "6", "--heldout-fraction", "0.2", "--max-num-seqs", "8",
         "--heldout-chat", str(chat), "--checkpoint-every", "20", "--eval-steps", "3",
+        "--autocast", "bfloat16",
     ]  # fmt: skip
     manifest = cli.main(argv)
     sd, config = eagle_format.load_head(str(out))
@@ -186,6 +207,7 @@ def test_training_script_end_to_end(tmp_path):
     head = EagleHead.from_dir(str(out))
     torch.testing.assert_close(head.lm_head.weight, sd["lm_head.weight"].float())
     first, last = manifest["training"]["first_logged"], manifest["training"]["last_logged"]
+    assert manifest["training"]["bf16_autocast"]
     assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
     chat = manifest["eval"]["heldout_chat"]
     assert len(chat["acc_greedy"]) == 3

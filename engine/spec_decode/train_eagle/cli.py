@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=0.2, help="uniform noise width on features")
     p.add_argument("--soft-ce", action="store_true", help="CE on the target's distribution")
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of CE against SmoothL1")
+    p.add_argument(
+        "--autocast",
+        choices=("auto", "bfloat16", "none"),
+        default="auto",
+        help="train with bfloat16 matmuls (auto: where the CPU has AVX512-BF16, ~2x faster)",
+    )
     p.add_argument("--eval-steps", type=int, default=4, help="chain length of the evaluation")
     p.add_argument(
         "--heldout-chat",
@@ -95,6 +101,12 @@ def _timings(work_dir: str, stage: str, stats: dict) -> dict:
     with open(path, "w") as f:
         json.dump(timings, f, indent=2)
     return timings
+
+
+def _bf16_autocast(choice: str) -> bool:
+    if choice == "auto":
+        return torch.cpu._is_avx512_bf16_supported()
+    return choice == "bfloat16"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or max(1, math.ceil(args.epochs * math.ceil(len(train) / args.batch_size)))
     cfg = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr,
                       ttt_steps=args.ttt_steps, noise=args.noise, soft_ce=args.soft_ce,
-                      ce_weight=args.ce_weight,
+                      ce_weight=args.ce_weight, bf16_autocast=_bf16_autocast(args.autocast),
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
                       warmup=min(50, max(1, steps // 10)))  # fmt: skip
     state = train_head(head, train, embed, t2d, lm_rows[d2t], cfg, work)

@@ -1,5 +1,8 @@
 """Deterministic, seeded instructions for self-distillation: templates x slots (topics, tasks,
-audiences, forms, ...). No network. ``make_prompts(n, seed)`` returns n distinct user messages.
+audiences, forms, ...). No network. ``make_prompts(n, seed)`` returns n distinct user messages:
+the first ``BASE_ONLY`` from the base templates (the set the first shipped head was trained on, so
+its cached answers stay valid), then alternately from the everyday-chat templates (advice, why-
+questions, recipes, short writing for a person) and the base templates.
 
 The held-out chat prompts (``benchmarks/data/chat_heldout.jsonl``) are hand-written and do not
 come from these templates.
@@ -105,6 +108,76 @@ STYLES = (
     " Use a numbered list.", " Be friendly and encouraging.", " Give one concrete example.",
     " Answer in one paragraph.", " Use bullet points.",
 )
+CHAT_THINGS = (
+    "my laptop", "my bike", "a wooden table", "white sneakers", "a coffee machine", "my phone",
+    "a wool sweater", "a kitchen sink", "a leather bag", "the oven", "a fish tank", "my car",
+    "a garden hose", "a bathroom mirror", "a frying pan", "a washing machine", "my headphones",
+)
+CHAT_PROBLEMS = (
+    "keeps making a strange noise", "smells bad", "stopped working this morning",
+    "has a stain I cannot remove", "is much slower than it used to be", "keeps getting dusty",
+    "has a small crack", "gets very hot", "is too loud at night",
+)
+CHAT_SITUATIONS = (
+    "my neighbour plays loud music late at night", "I cannot fall asleep before 2 am",
+    "my friend always arrives late", "I forgot my best friend's birthday",
+    "my roommate never does the dishes", "I have too many unread emails",
+    "I get bored at work in the afternoon", "my dog barks at every visitor",
+    "I feel lonely after moving to a new town", "my child does not want to eat vegetables",
+    "I spend too much money on takeaway food", "I keep losing my keys",
+    "my plants die after a few weeks", "I am nervous about my first day at a new job",
+    "my team disagrees about a project plan", "I want to ask for a raise",
+    "I have a long flight next week", "my houseguest is staying longer than planned",
+)
+CHAT_INGREDIENTS = (
+    "eggs, tomatoes and cheese", "pasta, garlic and olive oil", "potatoes and onions",
+    "rice, beans and peppers", "bread, milk and bananas", "lentils and carrots",
+    "chicken and mushrooms", "oats, apples and cinnamon", "tofu, broccoli and soy sauce",
+    "flour, butter and sugar", "salmon and lemon", "chickpeas and spinach",
+)
+CHAT_PHENOMENA = (
+    "do leaves change colour in autumn", "does bread go stale", "does ice float on water",
+    "do cats purr", "do we yawn", "is the sea salty", "does metal feel colder than wood",
+    "do we get goosebumps", "does popcorn pop", "do stars twinkle", "are bubbles round",
+    "do dogs wag their tails", "do we need to sleep", "does the moon look bigger near the horizon",
+    "are some people left-handed", "does soap remove grease", "do old books smell the way they do",
+    "do planes leave white trails in the sky", "does my voice sound different on recordings",
+)
+CHAT_PEOPLE = (
+    "Leonardo da Vinci", "Ada Lovelace", "Isaac Newton", "Cleopatra", "Nelson Mandela",
+    "Charles Darwin", "Frida Kahlo", "Albert Einstein", "Jane Austen", "Galileo Galilei",
+    "Florence Nightingale", "Mozart", "Amelia Earhart", "Confucius", "Rosalind Franklin",
+)
+CHAT_OCCASIONS = (
+    "a colleague who is retiring", "my parents' anniversary", "a friend who passed an exam",
+    "a neighbour who helped me move", "a new baby in the family", "my team's first launch",
+    "a teacher at the end of the school year", "a friend who is feeling sick",
+    "a housewarming party", "my brother's graduation",
+)
+CHAT_CHARACTERS = (
+    "a brave little mouse", "a robot who wants to paint", "a lost penguin", "a shy giant",
+    "a talking teapot", "a lighthouse keeper", "a curious cloud", "an old pirate",
+    "a detective cat", "a tree that can walk", "a girl who collects stars", "a tired postman",
+)
+CHAT_TEMPLATES = (
+    ("{thing} {problem}. What should I do?", 3), ("How do I clean {thing}?", 1),
+    ("{situation}. Any advice?", 4), ("{situation}. How should I handle it?", 2),
+    ("I have {ingredients}. What can I make for dinner?", 2),
+    ("Give me a simple recipe that uses {ingredients}.", 2),
+    ("Why {phenomenon}?", 3), ("I have always wondered: why {phenomenon}?", 1),
+    ("Tell me about the life of {famous}.", 2), ("What is {famous} best known for?", 1),
+    ("Write a short card message for {occasion}.", 2),
+    ("Help me write a few kind words for {occasion}.", 1),
+    ("Write a short story about {character}.", 2),
+    ("Write a poem about {character}.", 1), ("Tell me a joke about {topic}.", 1),
+    ("What is a fun weekend activity related to {topic}?", 1),
+    ("What should I know before {activity}?", 2), ("Is {activity} hard? Be honest.", 1),
+    ("Suggest a name for a small shop that sells things related to {topic}.", 1),
+    ("What would happen if there were no {topic}?", 1),
+    ("Can you help me understand {topic}? I find it confusing.", 2),
+    ("What are some good questions to ask {person}?", 1),
+    ("My friend says {a} are better than {b}. What do you think?", 1),
+)
 TEMPLATES = (
     ("Explain {topic} in simple terms.", 3), ("What is {topic}?", 3),
     ("How does {topic} work?", 2), ("Why is {topic} important?", 2),
@@ -148,18 +221,44 @@ def _fill(template: str, rng: random.Random) -> str:
     )  # fmt: skip
 
 
+def _fill_chat(template: str, rng: random.Random) -> str:
+    a, b = rng.choice(PAIRS)
+    text = template.format(
+        thing=rng.choice(CHAT_THINGS), problem=rng.choice(CHAT_PROBLEMS),
+        situation=rng.choice(CHAT_SITUATIONS), ingredients=rng.choice(CHAT_INGREDIENTS),
+        phenomenon=rng.choice(CHAT_PHENOMENA), famous=rng.choice(CHAT_PEOPLE),
+        occasion=rng.choice(CHAT_OCCASIONS), character=rng.choice(CHAT_CHARACTERS),
+        topic=rng.choice(TOPICS), activity=rng.choice(ACTIVITIES), person=rng.choice(PEOPLE),
+        a=a, b=b,
+    )  # fmt: skip
+    return text[0].upper() + text[1:]
+
+
+def _stream(fill, templates: tuple, seed: int):
+    """Endless seeded instructions from ``templates`` (weighted), each with a random style."""
+    rng = random.Random(seed)
+    texts = [t for t, _ in templates]
+    weights = [w for _, w in templates]
+    while True:
+        yield fill(rng.choices(texts, weights)[0], rng) + rng.choice(STYLES)
+
+
+# prompts 0..BASE_ONLY-1 come from the base templates alone (see the module docstring)
+BASE_ONLY = 1600
+
+
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct instructions, the same for the same (n, seed); the first k of n are the
     same for any larger n with the same seed."""
-    rng = random.Random(seed)
-    templates = [t for t, _ in TEMPLATES]
-    weights = [w for _, w in TEMPLATES]
+    base = _stream(_fill, TEMPLATES, seed)
+    chat = _stream(_fill_chat, CHAT_TEMPLATES, seed + 1_000_003)
     seen: set[str] = set()
     out: list[str] = []
     for _ in range(100 * n + 1000):
         if len(out) == n:
             return out
-        text = _fill(rng.choices(templates, weights)[0], rng) + rng.choice(STYLES)
+        use_chat = len(out) >= BASE_ONLY and (len(out) - BASE_ONLY) % 2 == 0
+        text = next(chat if use_chat else base)
         if text not in seen:
             seen.add(text)
             out.append(text)

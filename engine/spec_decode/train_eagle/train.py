@@ -29,6 +29,7 @@ class TrainConfig:
     noise: float = 0.2
     ce_weight: float = 0.1
     soft_ce: bool = False
+    bf16_autocast: bool = False  # matmuls in bfloat16, weights and optimizer state in float32
     max_len: int = 512
     checkpoint_every: int = 200
     log_every: int = 10
@@ -81,8 +82,9 @@ def train_head(head, train: list[dict], embed: torch.Tensor, t2d: torch.Tensor,
         epoch, index = divmod(step, per_epoch)
         order = epoch_batches(len(train), cfg.batch_size, cfg.seed, epoch, lengths)[index]
         batch = make_batch([train[i] for i in order], embed, t2d, cfg.max_len)
-        loss, metrics = head_loss(head, batch, cfg.ttt_steps, cfg.noise, cfg.ce_weight,
-                                  cfg.ttt_decay, soft)  # fmt: skip
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            loss, metrics = head_loss(head, batch, cfg.ttt_steps, cfg.noise, cfg.ce_weight,
+                                      cfg.ttt_decay, soft)  # fmt: skip
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
