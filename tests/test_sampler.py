@@ -73,7 +73,7 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     sampler = Sampler(seed=1)
     all_greedy = SamplingBatch.from_params([0.0] * n, [0] * n, [1.0] * n, [0.0] * n)
     assert sampler(logits, all_greedy).tolist() == expected
-    # mixed batch: greedy rows go through the one-hot distribution and the race
+    # mixed batch: greedy rows take the argmax, the others are sampled apart
     temperature = [0.0 if i % 2 else 1.0 for i in range(n)]
     mixed = SamplingBatch.from_params(temperature, [3] * n, [0.9] * n, [0.1] * n)
     got = sampler(logits, mixed).tolist()

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import cli, losses, prompts
+from engine.spec_decode.train_eagle import cli, features, losses, prompts
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -181,6 +181,27 @@ def test_prompts_mix_in_chat_templates_after_the_base_ones():
 
     assert not any(map(is_chat, a[: prompts.BASE_ONLY]))
     assert sum(map(is_chat, a[prompts.BASE_ONLY :])) > 40
+
+
+def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
+    """Stage 2 runs the engine's target over packed prefills of several conversations (spans
+    of different lengths, more of them than fit one forward): each one's features are HF's
+    post-norm last hidden states of that conversation alone."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [37, 5, 70, 16, 1, 33, 64]
+    seqs = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in lengths]
+    runner = features.target_runner(tiny_llama, 96)
+    ours = features.sequence_features(runner, seqs, batch_tokens=80)
+    hf = features.load_target(tiny_llama)
+    for seq, got in zip(seqs, ours, strict=True):
+        with torch.inference_mode():
+            want = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(
+            got.float(), want.to(torch.bfloat16).float(), rtol=0.01, atol=1e-3
+        )
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
+        features.sequence_features(runner, [[5] * 97], batch_tokens=80)
 
 
 def test_training_script_end_to_end(tmp_path):

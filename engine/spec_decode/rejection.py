@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import draw_rows, race
+from engine.sampler import draw_rows, exponential_draws, race
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
@@ -133,8 +133,7 @@ def _draw(
 
     def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         uniforms = torch.rand(m, k, dtype=torch.float64, device=device, generator=gen)
-        exponentials = torch.empty(m, vocab, device=device).exponential_(generator=gen)
-        return uniforms, exponentials
+        return uniforms, exponential_draws(m, vocab, device, gen)
 
     if isinstance(generator, list):
         return draw_rows(generator, draw)

@@ -134,18 +134,19 @@ def main(argv: list[str] | None = None) -> dict:
     if llm_factory.cache_info().currsize:
         llm_factory.cache_clear()  # frees the engine's KV memory before stage 2
 
-    loader = functools.cache(lambda: features.load_target(model_path))
+    runner = functools.cache(lambda: features.target_runner(
+        model_path, 2 * args.feature_batch_tokens))  # fmt: skip
     _timings(work, "stage2_features", features.compute_features(
-        loader, work, "answers", args.feature_batch_tokens))  # fmt: skip
+        runner, work, "answers", args.feature_batch_tokens))  # fmt: skip
     if chat:
-        features.compute_features(loader, work, "heldout_chat", args.feature_batch_tokens)
-    target = loader()
+        features.compute_features(runner, work, "heldout_chat", args.feature_batch_tokens)
+    runner.cache_clear()
+    target = features.load_target(model_path)
     embed = target.get_input_embeddings().weight.detach().float()
     lm_rows = target.get_output_embeddings().weight.detach().float()
     hf_config = target.config
     target_compute = sum(p.numel() for p in target.model.layers.parameters()) + lm_rows.numel()
     del target
-    loader.cache_clear()
 
     convs = features.load_features(work, "answers")
     train, heldout = split(convs, args.heldout_fraction, args.seed)

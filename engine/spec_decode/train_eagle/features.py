@@ -1,7 +1,11 @@
-"""Stage 2: the target's features by teacher forcing. HF transformers runs the target in float32
-over each whole conversation (prompt + answer) and keeps the final hidden state after the final
-norm (what the target feeds its LM head), stored as bfloat16. One feature file per answer chunk
-(``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped."""
+"""Stage 2: the target's features by teacher forcing. The engine's own float32 target (the
+packed CPU kernels and paged attention that compute the features the head is fed when serving)
+runs over each whole conversation (prompt + answer), one packed prefill of many conversations at
+a time, and keeps the final hidden state after the final norm (what the target feeds its LM
+head), stored as bfloat16. One feature file per answer chunk
+(``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped. HF
+transformers computes the same features (``tests/test_train_eagle.py`` checks it) at about a
+third of the speed on the CPU."""
 
 from __future__ import annotations
 
@@ -14,12 +18,31 @@ from tqdm.auto import tqdm
 
 from engine.spec_decode.train_eagle.data import read_jsonl
 
+BLOCK_SIZE = 16
+
 
 def load_target(model_path: str):
+    """The HF target in float32 (embeddings, LM head and config for training)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     return model.eval()
+
+
+def target_runner(model_path: str, num_tokens: int):
+    """The engine's float32 target and a ``ModelRunner`` over a KV cache of ``num_tokens``
+    slots (the most one packed forward of ``sequence_features`` may hold)."""
+    from engine.model_loader import load_model, model_kv_shape
+    from engine.model_runner import ModelRunner
+    from memory import allocate_kv_caches
+
+    loaded = load_model(model_path, dtype="float32", device="cpu")
+    cpu = torch.device("cpu")
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    caches = allocate_kv_caches(
+        *model_kv_shape(loaded.config), num_blocks, BLOCK_SIZE, torch.float32, cpu
+    )
+    return ModelRunner(loaded.model, caches, "cpu", cpu)
 
 
 def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
@@ -27,48 +50,54 @@ def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
     return os.path.join(work_dir, "features", f"{name}_{stem}.safetensors")
 
 
-@torch.inference_mode()
-def sequence_features(model, sequences: list[list[int]], batch_tokens: int) -> list[torch.Tensor]:
-    """Post-norm final hidden states [len, H] (bfloat16) of each sequence; sequences are
-    batched by length (right-padded) under ``batch_tokens`` padded tokens per forward."""
+def sequence_features(runner, sequences: list[list[int]], batch_tokens: int) -> list[torch.Tensor]:
+    """Post-norm final hidden states [len, H] (bfloat16) of each sequence: sequences sorted by
+    length go through ``runner`` (``target_runner``) in packed prefills of at most
+    ``batch_tokens`` tokens (and at most the runner's KV cache), each sequence its own span."""
+    from engine.model_runner import Span
+
+    capacity = runner.kv_caches[0][0].shape[0]
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[torch.Tensor | None] = [None] * len(sequences)
     start = 0
     while start < len(order):
-        end = start + 1
-        while end < len(order) and (end + 1 - start) * len(sequences[order[end]]) <= batch_tokens:
-            end += 1
-        group = order[start:end]
-        width = len(sequences[group[-1]])
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for row, i in enumerate(group):
-            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-            mask[row, : len(sequences[i])] = 1
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        for row, i in enumerate(group):
-            out[i] = hidden[row, : len(sequences[i])].to(torch.bfloat16).clone()
-        start = end
+        spans, tokens, blocks = [], 0, 0
+        for i in order[start:]:
+            seq = sequences[i]
+            need = -(-len(seq) // BLOCK_SIZE)
+            if spans and (tokens + len(seq) > batch_tokens or blocks + need > capacity):
+                break
+            if need > capacity:
+                raise ValueError(
+                    f"a sequence of {len(seq)} tokens exceeds the KV cache ({capacity} blocks)"
+                )
+            spans.append(Span(seq, 0, 1, range(blocks, blocks + need)))
+            tokens, blocks = tokens + len(seq), blocks + need
+        _, hidden = runner.forward(spans, return_hidden=True)
+        parts = hidden.split([len(span.token_ids) for span in spans])
+        for i, part in zip(order[start : start + len(spans)], parts, strict=True):
+            out[i] = part.to(torch.bfloat16)
+        start += len(spans)
     return out  # type: ignore[return-value]
 
 
-def compute_features(model_loader, work_dir: str, name: str, batch_tokens: int = 4096) -> dict:
-    """Features for every chunk of ``<work_dir>/<name>/``; ``model_loader()`` is called only if
-    some chunk lacks its file. Returns timing stats of this call."""
+def compute_features(runner_factory, work_dir: str, name: str, batch_tokens: int = 4096) -> dict:
+    """Features for every chunk of ``<work_dir>/<name>/``; ``runner_factory()`` (a
+    ``target_runner``) is called only if some chunk lacks its file. Returns timing stats."""
     folder = os.path.join(work_dir, name)
     chunks = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     todo = [c for c in chunks if not os.path.isfile(feature_path(work_dir, name, c))]
     stats = {"chunks_done_before": len(chunks) - len(todo), "seconds": 0.0, "tokens": 0}
     if not todo:
         return stats
-    model = model_loader()
+    runner = runner_factory()
     os.makedirs(os.path.join(work_dir, "features"), exist_ok=True)
     start = time.perf_counter()
     bar = tqdm(todo, desc=f"Stage 2: features ({name})", unit="chunk")
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
-        feats = sequence_features(model, seqs, batch_tokens)
+        feats = sequence_features(runner, seqs, batch_tokens)
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         tensors = {
             "features": torch.cat(feats),
