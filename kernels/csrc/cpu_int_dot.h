@@ -244,17 +244,6 @@ void gated_tile(const QuantRows& x, int64_t row, const Panels& panels, float* ou
   }
 }
 
-// fn(std::integral_constant<int, R>, first row) over rows [0, M), as in cpu_linear.cpp.
-template <int RMax, typename Fn>
-void row_tiles(int64_t M, const Fn& fn) {
-  int64_t i = 0;
-  for (; i + RMax <= M; i += RMax) fn(std::integral_constant<int, RMax>{}, i);
-  if constexpr (RMax > 2) {
-    for (; i + 2 <= M; i += 2) fn(std::integral_constant<int, 2>{}, i);
-  }
-  for (; i < M; ++i) fn(std::integral_constant<int, 1>{}, i);
-}
-
 // fn(quantised rows, first row, rows, panels of the group, first panel, panel count) for chunks
 // of kChunkRows rows (quantised once each) and groups of `per_group` panels split across
 // threads; a thread's group is read from memory once per chunk and reused from cache by every
@@ -312,7 +301,7 @@ at::Tensor linear(const at::Tensor& x, const Panels& all, int64_t nb, int64_t pa
                   int64_t first, int count) {
                 const int64_t last_cols = std::min(V, N - (first + count - 1) * V);
                 const float* bias_cols = bp ? bp + first * V : nullptr;
-                row_tiles<kTileRows>(rows, [&](auto tile_rows, int64_t i) {
+                row_tiles<kTileRows, false>(rows, [&](auto tile_rows, int64_t i) {
                   constexpr int R = decltype(tile_rows)::value;
                   float* oi = op + (m + i) * N + first * V;
                   switch (count) {
@@ -340,7 +329,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const Panels& all, int64_t nb, i
   over_groups(xc, all, nb, half, kGatedPanels,
               [&](const QuantRows& x, int64_t m, int64_t rows, const Panels& group,
                   int64_t first, int count) {
-                row_tiles<kGatedRows>(rows, [&](auto tile_rows, int64_t i) {
+                row_tiles<kGatedRows, false>(rows, [&](auto tile_rows, int64_t i) {
                   constexpr int R = decltype(tile_rows)::value;
                   float* oi = op + (m + i) * intermediate + first * V;
                   const auto with_up = [&](auto p) {

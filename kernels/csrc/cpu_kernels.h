@@ -4,11 +4,29 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
+#include <type_traits>
+
 // silu(gate) * up, the one formula of silu_and_mul and linear_silu_mul (so the fused GEMM gives
 // the two-step path's bits).
 inline at::vec::Vectorized<float> silu_mul(at::vec::Vectorized<float> gate,
                                            at::vec::Vectorized<float> up) {
   return gate / (at::vec::Vectorized<float>(1.f) + gate.neg().exp()) * up;
+}
+
+// fn(std::integral_constant<int, R>, first row) over rows [0, M) for the GEMMs' row tiles:
+// tiles of RMax rows, then (with Halves) of RMax / 2, then of 2 and of 1 for the rest. A row's
+// result does not depend on the tile it falls in.
+template <int RMax, bool Halves, typename Fn>
+void row_tiles(int64_t M, const Fn& fn) {
+  int64_t i = 0;
+  for (; i + RMax <= M; i += RMax) fn(std::integral_constant<int, RMax>{}, i);
+  if constexpr (Halves && RMax > 2) {
+    for (; i + RMax / 2 <= M; i += RMax / 2) fn(std::integral_constant<int, RMax / 2>{}, i);
+  }
+  if constexpr (RMax > 2) {
+    for (; i + 2 <= M; i += 2) fn(std::integral_constant<int, 2>{}, i);
+  }
+  for (; i < M; ++i) fn(std::integral_constant<int, 1>{}, i);
 }
 
 // kernels.paged_attention's contract (see kernels/__init__.py); writes out in place.

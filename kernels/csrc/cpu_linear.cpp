@@ -86,19 +86,6 @@ void gated_tile(const float* x, int64_t ldx, const float* panel, int64_t up_offs
   }
 }
 
-// fn(std::integral_constant<int, R>, first row) over rows [0, M): tiles of RMax rows, then of
-// fewer for the rest.
-template <int RMax, typename Fn>
-void row_tiles(int64_t M, const Fn& fn) {
-  int64_t i = 0;
-  for (; i + RMax <= M; i += RMax) fn(std::integral_constant<int, RMax>{}, i);
-  if constexpr (RMax > 2) {
-    for (; i + RMax / 2 <= M; i += RMax / 2) fn(std::integral_constant<int, RMax / 2>{}, i);
-  }
-  for (; i + 2 <= M; i += 2) fn(std::integral_constant<int, 2>{}, i);
-  for (; i < M; ++i) fn(std::integral_constant<int, 1>{}, i);
-}
-
 // fn(first row, rows, group) for chunks of kChunkRows rows, groups of panels split across threads.
 template <typename Fn>
 void over_chunks(int64_t M, int64_t groups, const Fn& fn) {
@@ -188,7 +175,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     const int64_t last_cols = std::min(V, N - (first + count - 1) * V);  // rest: zero padding
     const float* panel = wp + first * K * V;
     const float* bias_cols = bp ? bp + first * V : nullptr;
-    row_tiles<kTileRows>(rows, [&](auto tile_rows, int64_t i) {
+    row_tiles<kTileRows, true>(rows, [&](auto tile_rows, int64_t i) {
       constexpr int R = decltype(tile_rows)::value;
       const float* xi = xp + (m + i) * K;
       float* oi = op + (m + i) * N + first * V;
@@ -217,7 +204,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
   over_chunks(xc.size(0), groups, [&](int64_t m, int64_t rows, int64_t g) {
     const int64_t first = g * kGatedPanels, count = std::min<int64_t>(kGatedPanels, half - first);
     const float* panel = wp + first * K * V;
-    row_tiles<kGatedRows>(rows, [&](auto tile_rows, int64_t i) {
+    row_tiles<kGatedRows, true>(rows, [&](auto tile_rows, int64_t i) {
       constexpr int R = decltype(tile_rows)::value;
       const float* xi = xp + (m + i) * K;
       float* oi = op + (m + i) * intermediate + first * V;

@@ -156,19 +156,6 @@ struct Out {
   }
 };
 
-// fn(std::integral_constant<int, R>, first row) over rows [0, M): tiles of RMax rows, then of
-// fewer for the rest.
-template <int RMax, typename Fn>
-void row_tiles(int64_t M, const Fn& fn) {
-  int64_t i = 0;
-  for (; i + RMax <= M; i += RMax) fn(std::integral_constant<int, RMax>{}, i);
-  if constexpr (RMax > 2) {
-    for (; i + RMax / 2 <= M; i += RMax / 2) fn(std::integral_constant<int, RMax / 2>{}, i);
-  }
-  for (; i + 2 <= M; i += 2) fn(std::integral_constant<int, 2>{}, i);
-  for (; i < M; ++i) fn(std::integral_constant<int, 1>{}, i);
-}
-
 // fn(R as a constant, first row, group) over tiles of rows in chunks of kChunkRows rows and
 // groups of panels split across threads.
 template <typename Fn>
@@ -178,9 +165,9 @@ void over_tiles(Path path, int64_t M, int64_t groups, const Fn& fn) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         if (path == Path::kDot) {
-          row_tiles<kDotRows>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
+          row_tiles<kDotRows, true>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
         } else {
-          row_tiles<kWidenRows>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
+          row_tiles<kWidenRows, true>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
         }
       }
     });
