@@ -210,7 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
         "eval": evals,
         "eval_note": "acc_*[s] and chain_accept[s]: the (s+1)-th token of a chain draft; "
         "tokens_per_round: expected tokens per verification at k = len(chain_accept), greedy, "
-        "on greedy conversations (offline estimate)",
+        "on greedy conversations (offline estimate); chain_stop[tau]: drafts and tokens per "
+        "round when a chain stops once the product of its drafts' top-1 probabilities falls "
+        "below tau (min_draft_confidence); timings_seconds: summed over every run in the work "
+        "dir",
         "params": {
             "head": head_params,
             "target_per_token": target_compute,
