@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import cli, features, losses, prompts
+from engine.spec_decode.train_eagle import cli, data, features, losses, prompts
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -183,6 +184,44 @@ def test_prompts_mix_in_chat_templates_after_the_base_ones():
     assert sum(map(is_chat, a[prompts.BASE_ONLY :])) > 40
 
 
+class _FakeLLM:
+    """``LLM.chat`` stand-in: answers each conversation with as many tokens as its prompt has
+    characters; raises on the call numbered ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def chat(self, conversations, params, use_tqdm=False):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt("killed mid-stage")
+        return [
+            SimpleNamespace(
+                prompt_token_ids=[1, 2],
+                outputs=[
+                    SimpleNamespace(token_ids=[3] * len(c[0]["content"]), finish_reason="stop")
+                ],
+            )
+            for c in conversations
+        ]
+
+
+def test_answer_timings_survive_a_killed_run(tmp_path):
+    """Each finished chunk's tokens and seconds are recorded as it is written: a run killed in
+    its second chunk has recorded the first, and the resumed run records the rest once."""
+    prompts = [f"question {'?' * i}" for i in range(10)]
+    recorded: list[dict] = []
+    with pytest.raises(KeyboardInterrupt):
+        data.generate_answers(lambda: _FakeLLM(fail_at=2), prompts, str(tmp_path), 8, 4,
+                              recorded.append)  # fmt: skip
+    assert [r["answer_tokens"] for r in recorded] == [sum(len(p) for p in prompts[:4])]
+    data.generate_answers(lambda: _FakeLLM(), prompts, str(tmp_path), 8, 4, recorded.append)
+    written = data.load_conversations(str(tmp_path))
+    assert [r["prompt"] for r in written] == prompts
+    assert sum(r["answer_tokens"] for r in recorded) == sum(len(r["answer_ids"]) for r in written)
+    assert len(recorded) == 3 and all(r["seconds"] >= 0 for r in recorded)
+
+
 def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
     """Stage 2 runs the engine's target over packed prefills of several conversations (spans
     of different lengths, more of them than fit one forward): each one's features are HF's
@@ -216,8 +255,8 @@ def test_training_script_end_to_end(tmp_path):
         "--model", model, "--out", str(out), "--work-dir", str(work), "--num-prompts", "12",
         "--max-tokens", "16", "--draft-vocab-size", "64", "--steps", "150", "--batch-size", "4",
         "--lr", "3e-3", "--chunk-size", "6", "--heldout-fraction", "0.2", "--max-num-seqs", "8",
-        "--heldout-chat", str(chat), "--checkpoint-every", "20", "--eval-steps", "3",
-        "--autocast", "bfloat16",
+        "--heldout-chat", str(chat), "--autocast", "bfloat16", "--checkpoint-every", "20",
+        "--eval-steps", "3",
     ]  # fmt: skip
     manifest = cli.main(argv)
     sd, config = eagle_format.load_head(str(out))

@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     llm_factory = functools.cache(lambda: data.make_llm(model_path, args.max_num_seqs, args.seed))
     prompts = make_prompts(args.num_prompts, args.seed)
-    stats = data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size)
-    _timings(work, "stage1_answers", stats)
+    data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
+                          functools.partial(_timings, work, "stage1_answers"))  # fmt: skip
     chat = args.heldout_chat if args.heldout_chat != "none" else None
     if chat:
         data.generate_heldout_chat(llm_factory, chat, work, args.max_tokens)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     runner = functools.cache(lambda: features.target_runner(
         model_path, 2 * args.feature_batch_tokens))  # fmt: skip
-    _timings(work, "stage2_features", features.compute_features(
-        runner, work, "answers", args.feature_batch_tokens))  # fmt: skip
+    features.compute_features(runner, work, "answers", args.feature_batch_tokens,
+                              functools.partial(_timings, work, "stage2_features"))  # fmt: skip
     if chat:
         features.compute_features(runner, work, "heldout_chat", args.feature_batch_tokens)
     runner.cache_clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -56,10 +57,17 @@ def make_llm(model: str, max_num_seqs: int, seed: int):
 
 
 def generate_answers(
-    llm_factory, prompts: list[str], work_dir: str, max_tokens: int, chunk_size: int
+    llm_factory,
+    prompts: list[str],
+    work_dir: str,
+    max_tokens: int,
+    chunk_size: int,
+    on_chunk: Callable[[dict], object] | None = None,
 ) -> dict:
     """Answer every prompt, chunk by chunk, skipping finished chunks. ``llm_factory()`` builds
-    the engine (only if some chunk is missing). Returns timing stats of this call."""
+    the engine (only if some chunk is missing). ``on_chunk`` gets each written chunk's seconds
+    and answer tokens (a run killed mid-stage has recorded every chunk it finished). Returns
+    the timing stats of this call."""
     num_chunks = (len(prompts) + chunk_size - 1) // chunk_size
     todo = [i for i in range(num_chunks) if not os.path.isfile(chunk_path(work_dir, "answers", i))]
     stats = {"chunks_done_before": num_chunks - len(todo), "seconds": 0.0, "answer_tokens": 0}
@@ -69,6 +77,7 @@ def generate_answers(
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), initial=(num_chunks - len(todo)) * chunk_size,
                desc="Stage 1: answering", unit="prompt")  # fmt: skip
+    last = start
     for i in todo:
         idx = list(range(i * chunk_size, min(len(prompts), (i + 1) * chunk_size)))
         conversations = [[{"role": "user", "content": prompts[j]}] for j in idx]
@@ -79,6 +88,11 @@ def generate_answers(
             r["prompt"] = prompts[j]
             stats["answer_tokens"] += len(r["answer_ids"])
         write_jsonl(chunk_path(work_dir, "answers", i), records)
+        now = time.perf_counter()
+        if on_chunk is not None:
+            tokens = sum(len(r["answer_ids"]) for r in records)
+            on_chunk({"seconds": now - last, "answer_tokens": tokens})
+        last = now
         bar.update(len(idx))
         elapsed = time.perf_counter() - start
         bar.set_postfix(tok_s=f"{stats['answer_tokens'] / elapsed:.0f}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -81,9 +82,16 @@ def sequence_features(runner, sequences: list[list[int]], batch_tokens: int) -> 
     return out  # type: ignore[return-value]
 
 
-def compute_features(runner_factory, work_dir: str, name: str, batch_tokens: int = 4096) -> dict:
+def compute_features(
+    runner_factory,
+    work_dir: str,
+    name: str,
+    batch_tokens: int = 4096,
+    on_chunk: Callable[[dict], object] | None = None,
+) -> dict:
     """Features for every chunk of ``<work_dir>/<name>/``; ``runner_factory()`` (a
-    ``target_runner``) is called only if some chunk lacks its file. Returns timing stats."""
+    ``target_runner``) is called only if some chunk lacks its file. ``on_chunk`` gets each
+    written file's seconds and tokens. Returns the timing stats of this call."""
     folder = os.path.join(work_dir, name)
     chunks = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     todo = [c for c in chunks if not os.path.isfile(feature_path(work_dir, name, c))]
@@ -92,7 +100,7 @@ def compute_features(runner_factory, work_dir: str, name: str, batch_tokens: int
         return stats
     runner = runner_factory()
     os.makedirs(os.path.join(work_dir, "features"), exist_ok=True)
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     bar = tqdm(todo, desc=f"Stage 2: features ({name})", unit="chunk")
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
@@ -110,6 +118,10 @@ def compute_features(runner_factory, work_dir: str, name: str, batch_tokens: int
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
         stats["tokens"] += int(lengths.sum())
+        now = time.perf_counter()
+        if on_chunk is not None:
+            on_chunk({"seconds": now - last, "tokens": int(lengths.sum())})
+        last = now
         bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}")
     stats["seconds"] = time.perf_counter() - start
     return stats
