@@ -115,13 +115,14 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         )
     logits = logits.float()
     sampled = batch.sampled_rows
-    has_greedy = sampled is None or len(sampled) < logits.shape[0]
-    if batch.all_greedy or has_greedy:
+    has_greedy = batch.all_greedy or sampled is None or len(sampled) < logits.shape[0]
+    temperature = batch.temperature
+    if has_greedy:
         one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return one_hot
-    greedy = batch.temperature == 0 if has_greedy else None
-    temperature = torch.where(greedy, 1.0, batch.temperature) if has_greedy else batch.temperature
+        greedy = temperature == 0
+        temperature = torch.where(greedy, 1.0, temperature)
     # subtracting the max first keeps a tiny temperature from overflowing to inf (and NaN)
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature[:, None]
     if batch.needs_sort:
@@ -133,7 +134,9 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         keep = probs >= batch.min_p[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    return torch.where(greedy[:, None], one_hot, probs) if has_greedy else probs
+    if not has_greedy:
+        return probs
+    return torch.where(greedy[:, None], one_hot, probs)
 
 
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -173,7 +176,9 @@ def draw_rows(
     return tuple(torch.stack(column) for column in zip(*pieces, strict=True))
 
 
-def exponential_draws(m: int, n: int, device: torch.device, generator: torch.Generator | None):
+def exponential_draws(
+    m: int, n: int, device: torch.device, generator: torch.Generator | None
+) -> torch.Tensor:
     """Exp(1) draws [m, n] as -log(U), U uniform in [0, 1) (float32): the same law as
     ``exponential_`` (up to float32's resolution), a third of its time on the CPU."""
     return torch.empty(m, n, device=device).uniform_(generator=generator).log_().neg_()

@@ -86,11 +86,11 @@ def generate_answers(
         for j, r in zip(idx, records, strict=True):
             r["index"] = j
             r["prompt"] = prompts[j]
-            stats["answer_tokens"] += len(r["answer_ids"])
         write_jsonl(chunk_path(work_dir, "answers", i), records)
+        tokens = sum(len(r["answer_ids"]) for r in records)
+        stats["answer_tokens"] += tokens
         now = time.perf_counter()
         if on_chunk is not None:
-            tokens = sum(len(r["answer_ids"]) for r in records)
             on_chunk({"seconds": now - last, "answer_tokens": tokens})
         last = now
         bar.update(len(idx))
