@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import cli, data, features, losses, prompts
+from engine.spec_decode.train_eagle import cli, data, features, losses, magpie, prompts
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -220,6 +220,71 @@ def test_answer_timings_survive_a_killed_run(tmp_path):
     assert [r["prompt"] for r in written] == prompts
     assert sum(r["answer_tokens"] for r in recorded) == sum(len(r["answer_ids"]) for r in written)
     assert len(recorded) == 3 and all(r["seconds"] >= 0 for r in recorded)
+
+
+class _FakeWriter:
+    """``LLM.generate`` stand-in for Magpie: each round answers every prompt with the next of
+    ``rounds`` (text, finish reason) lists, cycling; records the prompts it was given."""
+
+    def __init__(self, rounds: list[list[tuple[str, str]]]) -> None:
+        self.rounds, self.prompts = rounds, []
+        self.tokenizer = SimpleNamespace(
+            chat_template="x",
+            apply_chat_template=lambda messages, tokenize: f"<s>user: {messages[0]['content']}",
+            encode=lambda text, add_special_tokens: [ord(c) for c in text],
+        )
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.prompts.append(prompts)
+        texts = self.rounds[(len(self.prompts) - 1) % len(self.rounds)]
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(text=t, finish_reason=r)])
+            for t, r in (texts[i % len(texts)] for i in range(len(prompts)))
+        ]
+
+
+def test_magpie_keeps_new_finished_plain_prompts(tmp_path):
+    """Stage 0 feeds the template's user-turn prefix and keeps only messages the model ended,
+    of a sensible length, plain text, never a repeat (of its own or of ``seen``); the result
+    is cached; too few usable messages is an error that says so."""
+    good = "How do I keep basil alive on a windowsill?"
+    rounds = [[
+        (good, "stop"),
+        (f"  {good.upper()} ", "stop"),  # a repeat, case and spacing aside
+        ("Plan a picnic for six people in the park.", "length"),  # cut off
+        ("Hi there", "stop"),  # too short
+        ("Écrivez un poème sur la mer, s'il vous plaît, très ému.", "stop"),  # not ASCII
+        ("Tell me about foxes and where they live.", "stop"),  # seen (a held-out prompt)
+    ], [
+        ("Why do cats purr when they are happy?", "stop"),
+        ("Write a haiku about the first snow of winter.", "stop"),
+    ]]  # fmt: skip
+    writer = _FakeWriter(rounds)
+    seen = ["tell me about foxes and  where they live."]
+    out = magpie.synthesize_prompts(lambda: writer, 3, str(tmp_path), seen, batch_size=6)
+    assert out == [good, "Why do cats purr when they are happy?",
+                   "Write a haiku about the first snow of winter."]  # fmt: skip
+    assert writer.prompts[0] == [[ord(c) for c in "<s>user: "]] * 6
+    assert magpie.synthesize_prompts(lambda: None, 3, str(tmp_path)) == out  # cached
+    with pytest.raises(ValueError, match="only 1 usable prompts of 3"):
+        magpie.synthesize_prompts(lambda: _FakeWriter(rounds[:1]), 3, str(tmp_path / "b"), seen,
+                                  batch_size=6, max_rounds=4)  # fmt: skip
+
+
+def test_magpie_prefix_is_the_template_before_the_user_text(tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prefix = magpie.user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert tok.decode(prefix) == "<s>user: " and full.startswith(tok.decode(prefix))
+    # through the real engine: the random tiny model writes no usable message
+    with pytest.raises(ValueError, match="only 0 usable prompts of 2 in 1 rounds of 8"):
+        magpie.synthesize_prompts(lambda: data.make_llm(tiny_llama, 8, 0), 2, str(tmp_path),
+                                  batch_size=8, max_rounds=1)  # fmt: skip
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        magpie.user_turn_prefix(tok)
 
 
 def test_engine_features_equal_hf_teacher_forcing(tiny_llama):

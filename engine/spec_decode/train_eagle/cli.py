@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import data, features
+from engine.spec_decode.train_eagle import data, features, magpie
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="head directory to write")
     p.add_argument("--work-dir", required=True, help="cache of data, features and checkpoints")
     p.add_argument("--num-prompts", type=int, default=1600)
+    p.add_argument(
+        "--magpie-prompts",
+        type=int,
+        default=0,
+        help="user prompts the target writes itself (Magpie), after the --num-prompts ones",
+    )
     p.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--epochs", type=float, default=3.0)
@@ -120,15 +126,28 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model_path, target_name = args.model, os.path.basename(os.path.normpath(args.model))
     work = args.work_dir
-    _check_meta(work, {"target_model": target_name, "num_prompts": args.num_prompts,
-                       "max_tokens": args.max_tokens, "chunk_size": args.chunk_size,
-                       "seed": args.seed})  # fmt: skip
+    meta = {
+        "target_model": target_name,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "chunk_size": args.chunk_size,
+        "seed": args.seed,
+    }
+    if args.magpie_prompts:  # only then, so that older work dirs keep matching
+        meta["magpie_prompts"] = args.magpie_prompts
+    _check_meta(work, meta)
 
     llm_factory = functools.cache(lambda: data.make_llm(model_path, args.max_num_seqs, args.seed))
+    chat = args.heldout_chat if args.heldout_chat != "none" else None
     prompts = make_prompts(args.num_prompts, args.seed)
+    if args.magpie_prompts:  # none may repeat a template prompt or a held-out chat one
+        heldout = (
+            [] if not chat else [m["content"] for r in data.read_jsonl(chat) for m in r["messages"]]
+        )
+        prompts += magpie.synthesize_prompts(llm_factory, args.magpie_prompts, work,
+                                             prompts + heldout)  # fmt: skip
     data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
                           functools.partial(_timings, work, "stage1_answers"))  # fmt: skip
-    chat = args.heldout_chat if args.heldout_chat != "none" else None
     if chat:
         data.generate_heldout_chat(llm_factory, chat, work, args.max_tokens)
     if llm_factory.cache_info().currsize:
@@ -191,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         "stored_dtype": args.dtype,
         "data": {
             "prompts": len(prompts),
+            "magpie_prompts": args.magpie_prompts,
             "sequences": len(convs),
             "train_sequences": len(train),
             "heldout_sequences": len(heldout),

@@ -1,0 +1,88 @@
+"""Stage 0 (``--magpie-prompts N``): user prompts written by the target itself, Magpie style (Xu
+et al., 2024, "Magpie: alignment data synthesis from scratch by prompting aligned LLMs with
+nothing"). The target gets its chat template up to where a user's message begins and writes the
+message; an instruct model has learnt what its users ask, so these prompts follow the chat it
+was tuned on, far wider than the template lists in ``prompts.py``.
+
+Kept: messages the model closed itself (finish reason "stop"), of ``MIN_WORDS`` to ``MAX_WORDS``
+words, mostly printable ASCII, and new (case and spacing ignored; the held-out chat prompts
+count as seen, so none is trained on). Cached in ``<work_dir>/magpie_prompts.jsonl``."""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable, Iterable
+
+from tqdm.auto import tqdm
+
+from engine.spec_decode.train_eagle.data import read_jsonl, write_jsonl
+
+TEMPERATURE = 1.0
+TOP_P = 0.9
+MAX_TOKENS = 96
+MIN_WORDS, MAX_WORDS = 4, 80
+MIN_PRINTABLE = 0.97
+_MARKER = "\uffffUSER\uffff"
+_PRINTABLE = set(string.printable)
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the first user message's text begins."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--magpie-prompts needs a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
+    return tokenizer.encode(text[: text.index(_MARKER)], add_special_tokens=False)
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def keep(text: str, finish_reason: str | None) -> bool:
+    """A finished, plain-text message of a sensible length."""
+    words = len(text.split())
+    if finish_reason != "stop" or not MIN_WORDS <= words <= MAX_WORDS:
+        return False
+    return sum(c in _PRINTABLE for c in text) >= MIN_PRINTABLE * len(text)
+
+
+def synthesize_prompts(
+    llm_factory: Callable[[], object],
+    count: int,
+    work_dir: str,
+    seen: Iterable[str] = (),
+    batch_size: int = 256,
+    max_rounds: int = 64,
+) -> list[str]:
+    """``count`` self-written user prompts (cached); ``seen``: texts none may repeat."""
+    path = os.path.join(work_dir, "magpie_prompts.jsonl")
+    if os.path.isfile(path):  # the work dir's meta.json pins the count
+        return [r["prompt"] for r in read_jsonl(path)]
+    from engine import SamplingParams
+
+    llm = llm_factory()
+    prefix = user_turn_prefix(llm.tokenizer)
+    params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=MAX_TOKENS)
+    known = {normalize(t) for t in seen}
+    out: list[str] = []
+    bar = tqdm(total=count, desc="Stage 0: prompts", unit="prompt")
+    for _ in range(max_rounds):
+        outs = llm.generate([prefix] * batch_size, params, use_tqdm=False)
+        for o in outs:
+            text = o.outputs[0].text.strip()
+            key = normalize(text)
+            if len(out) < count and keep(text, o.outputs[0].finish_reason) and key not in known:
+                known.add(key)
+                out.append(text)
+                bar.update(1)
+        if len(out) == count:
+            break
+    bar.close()
+    if len(out) < count:
+        raise ValueError(
+            f"--magpie-prompts: the model wrote only {len(out)} usable prompts of {count} in "
+            f"{max_rounds} rounds of {batch_size}; ask for fewer"
+        )
+    write_jsonl(path, [{"prompt": t} for t in out])
+    return out
