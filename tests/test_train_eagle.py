@@ -261,11 +261,15 @@ def test_magpie_keeps_new_finished_plain_prompts(tmp_path):
     ]]  # fmt: skip
     writer = _FakeWriter(rounds)
     seen = ["tell me about foxes and  where they live."]
-    out = magpie.synthesize_prompts(lambda: writer, 3, str(tmp_path), seen, batch_size=6)
+    done: list[dict] = []
+    out = magpie.synthesize_prompts(lambda: writer, 3, str(tmp_path), seen, batch_size=6,
+                                    on_done=done.append)  # fmt: skip
     assert out == [good, "Why do cats purr when they are happy?",
                    "Write a haiku about the first snow of winter."]  # fmt: skip
     assert writer.prompts[0] == [[ord(c) for c in "<s>user: "]] * 6
-    assert magpie.synthesize_prompts(lambda: None, 3, str(tmp_path)) == out  # cached
+    assert len(done) == 1 and done[0]["written"] == 12 and done[0]["seconds"] >= 0
+    assert magpie.synthesize_prompts(lambda: None, 3, str(tmp_path), on_done=done.append) == out
+    assert len(done) == 1  # cached: nothing written, nothing recorded
     with pytest.raises(ValueError, match="only 1 usable prompts of 3"):
         magpie.synthesize_prompts(lambda: _FakeWriter(rounds[:1]), 3, str(tmp_path / "b"), seen,
                                   batch_size=6, max_rounds=4)  # fmt: skip

@@ -1,5 +1,6 @@
-"""``python -m engine.spec_decode.train_eagle``: self-distilled data, features, training, and the
-head directory (``engine.spec_decode.eagle_format``) with its manifest. Every stage caches its
+"""``python -m engine.spec_decode.train_eagle``: prompts (templates, and with ``--magpie-prompts``
+ones the target writes itself), self-distilled answers, features, training, and the head
+directory (``engine.spec_decode.eagle_format``) with its manifest. Every stage caches its
 results in ``--work-dir``; re-running the same command resumes where it stopped."""
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
         heldout = (
             [] if not chat else [m["content"] for r in data.read_jsonl(chat) for m in r["messages"]]
         )
-        prompts += magpie.synthesize_prompts(llm_factory, args.magpie_prompts, work,
-                                             prompts + heldout)  # fmt: skip
+        prompts += magpie.synthesize_prompts(
+            llm_factory, args.magpie_prompts, work, prompts + heldout,
+            on_done=functools.partial(_timings, work, "stage0_prompts"),
+        )  # fmt: skip
     data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
                           functools.partial(_timings, work, "stage1_answers"))  # fmt: skip
     if chat:

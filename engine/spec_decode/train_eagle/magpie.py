@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import string
+import time
 from collections.abc import Callable, Iterable
 
 from tqdm.auto import tqdm
@@ -54,21 +55,26 @@ def synthesize_prompts(
     seen: Iterable[str] = (),
     batch_size: int = 256,
     max_rounds: int = 64,
+    on_done: Callable[[dict], object] | None = None,
 ) -> list[str]:
-    """``count`` self-written user prompts (cached); ``seen``: texts none may repeat."""
+    """``count`` self-written user prompts (cached); ``seen``: texts none may repeat.
+    ``on_done`` gets the seconds and the number of messages written when they were made."""
     path = os.path.join(work_dir, "magpie_prompts.jsonl")
     if os.path.isfile(path):  # the work dir's meta.json pins the count
         return [r["prompt"] for r in read_jsonl(path)]
     from engine import SamplingParams
 
+    start = time.perf_counter()
     llm = llm_factory()
     prefix = user_turn_prefix(llm.tokenizer)
     params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=MAX_TOKENS)
     known = {normalize(t) for t in seen}
     out: list[str] = []
+    written = 0
     bar = tqdm(total=count, desc="Stage 0: prompts", unit="prompt")
     for _ in range(max_rounds):
         outs = llm.generate([prefix] * batch_size, params, use_tqdm=False)
+        written += len(outs)
         for o in outs:
             text = o.outputs[0].text.strip()
             key = normalize(text)
@@ -85,4 +91,6 @@ def synthesize_prompts(
             f"{max_rounds} rounds of {batch_size}; ask for fewer"
         )
     write_jsonl(path, [{"prompt": t} for t in out])
+    if on_done is not None:
+        on_done({"seconds": time.perf_counter() - start, "written": written})
     return out
