@@ -34,8 +34,9 @@ class SpeculativeConfig:
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
     drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
     drafts every step. None: 16, and 0 for eagle, whose chain stop already drafts little where
-    the head is unsure (replaying the shipped head's held-out chat rounds, a 16-step backoff
-    on top of the stop lost 8% of the speed-up: estimated 1.07x instead of 1.17x at batch 1).
+    the head is unsure (replaying the first shipped head's held-out chat rounds, a 16-step
+    backoff on top of the stop lost 8% of the speed-up: estimated 1.07x instead of 1.17x at
+    batch 1).
 
     ``min_draft_confidence``: a draft model or head stops a sequence's chain once the product
     of its drafts' top-1 probabilities falls below this (EAGLE-2's dynamic draft length: a

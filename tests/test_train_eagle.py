@@ -222,17 +222,25 @@ def test_answer_timings_survive_a_killed_run(tmp_path):
     assert len(recorded) == 3 and all(r["seconds"] >= 0 for r in recorded)
 
 
+class _CharTokenizer:
+    """A tokenizer of one id per character and the template ``<s>user: {text}``."""
+
+    chat_template = "<s>user: {text}"
+
+    def apply_chat_template(self, messages, tokenize):
+        return f"<s>user: {messages[0]['content']}"
+
+    def encode(self, text, add_special_tokens):
+        return [ord(c) for c in text]
+
+
 class _FakeWriter:
     """``LLM.generate`` stand-in for Magpie: each round answers every prompt with the next of
     ``rounds`` (text, finish reason) lists, cycling; records the prompts it was given."""
 
     def __init__(self, rounds: list[list[tuple[str, str]]]) -> None:
         self.rounds, self.prompts = rounds, []
-        self.tokenizer = SimpleNamespace(
-            chat_template="x",
-            apply_chat_template=lambda messages, tokenize: f"<s>user: {messages[0]['content']}",
-            encode=lambda text, add_special_tokens: [ord(c) for c in text],
-        )
+        self.tokenizer = _CharTokenizer()
 
     def generate(self, prompts, params, use_tqdm=False):
         self.prompts.append(prompts)
@@ -253,6 +261,7 @@ def test_magpie_keeps_new_finished_plain_prompts(tmp_path):
         (f"  {good.upper()} ", "stop"),  # a repeat, case and spacing aside
         ("Plan a picnic for six people in the park.", "length"),  # cut off
         ("Hi there", "stop"),  # too short
+        (" ".join(["word"] * (magpie.MAX_WORDS + 1)), "stop"),  # too long
         ("Écrivez un poème sur la mer, s'il vous plaît, très ému.", "stop"),  # not ASCII
         ("Tell me about foxes and where they live.", "stop"),  # seen (a held-out prompt)
     ], [
@@ -262,33 +271,74 @@ def test_magpie_keeps_new_finished_plain_prompts(tmp_path):
     writer = _FakeWriter(rounds)
     seen = ["tell me about foxes and  where they live."]
     done: list[dict] = []
-    out = magpie.synthesize_prompts(lambda: writer, 3, str(tmp_path), seen, batch_size=6,
+    out = magpie.synthesize_prompts(lambda: writer, 3, str(tmp_path), seen, batch_size=7,
                                     on_done=done.append)  # fmt: skip
     assert out == [good, "Why do cats purr when they are happy?",
                    "Write a haiku about the first snow of winter."]  # fmt: skip
-    assert writer.prompts[0] == [[ord(c) for c in "<s>user: "]] * 6
-    assert len(done) == 1 and done[0]["written"] == 12 and done[0]["seconds"] >= 0
+    assert writer.prompts[0] == [[ord(c) for c in "<s>user:"]] * 7
+    assert len(done) == 1 and done[0]["written"] == 14 and done[0]["seconds"] >= 0
     assert magpie.synthesize_prompts(lambda: None, 3, str(tmp_path), on_done=done.append) == out
     assert len(done) == 1  # cached: nothing written, nothing recorded
-    with pytest.raises(ValueError, match="only 1 usable prompts of 3"):
+    with pytest.raises(ValueError, match="holds 3 prompts, not 2"):
+        magpie.synthesize_prompts(lambda: None, 2, str(tmp_path))
+    with pytest.raises(ValueError, match="only 1 usable prompts of 3 in 4 rounds of 7; ask for "
+                                         "at most 1"):  # fmt: skip
         magpie.synthesize_prompts(lambda: _FakeWriter(rounds[:1]), 3, str(tmp_path / "b"), seen,
-                                  batch_size=6, max_rounds=4)  # fmt: skip
+                                  batch_size=7, max_rounds=4)  # fmt: skip
 
 
-def test_magpie_prefix_is_the_template_before_the_user_text(tiny_llama, tmp_path):
+def test_magpie_prefix_is_how_every_real_prompt_starts(tiny_llama, tmp_path):
+    """The prefix is the leading token ids of real chat prompts (the tiny template has a space
+    before the user's text, which the tokenizer joins to some first words and not to others:
+    the prefix leaves it out)."""
     from transformers import AutoTokenizer
+
+    from engine.llm import render_chat
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prefix = magpie.user_turn_prefix(tok)
-    full = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
-    assert tok.decode(prefix) == "<s>user: " and full.startswith(tok.decode(prefix))
+    assert tok.decode(prefix) == "<s>user:"
+    for text in ("hello there", "the quick fox", "Speculative decoding?", "a", "zzz"):
+        ids = render_chat(tok, [{"role": "user", "content": text}])[1]
+        assert ids[: len(prefix)] == prefix, text
     # through the real engine: the random tiny model writes no usable message
     with pytest.raises(ValueError, match="only 0 usable prompts of 2 in 1 rounds of 8"):
         magpie.synthesize_prompts(lambda: data.make_llm(tiny_llama, 8, 0), 2, str(tmp_path),
                                   batch_size=8, max_rounds=1)  # fmt: skip
+    tok.chat_template = "{{ messages[0]['role'] }}"
+    with pytest.raises(ValueError, match="does not show the user's message"):
+        magpie.user_turn_prefix(tok)
     tok.chat_template = None
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         magpie.user_turn_prefix(tok)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_cli_hands_stage_0_the_prompts_it_must_not_repeat(tmp_path, monkeypatch, tiny_llama):
+    """--magpie-prompts N: stage 0 is asked for N prompts, with the template prompts and the
+    held-out chat ones as seen, and meta.json pins N (without the flag it has no such key, so
+    older work dirs keep matching)."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Foxes?"}]}) + "\n")
+    asked = {}
+
+    def fake(llm_factory, count, work_dir, seen, on_done=None):
+        asked.update(count=count, seen=list(seen))
+        raise _Stop
+
+    monkeypatch.setattr(magpie, "synthesize_prompts", fake)
+    work = tmp_path / "work"
+    argv = ["--model", tiny_llama, "--out", str(tmp_path / "head"), "--work-dir", str(work),
+            "--num-prompts", "5", "--heldout-chat", str(chat)]  # fmt: skip
+    with pytest.raises(_Stop):
+        cli.main([*argv, "--magpie-prompts", "3"])
+    assert asked == {"count": 3, "seen": make_prompts(5) + ["Foxes?"]}
+    assert json.loads((work / "meta.json").read_text())["magpie_prompts"] == 3
+    with pytest.raises(ValueError, match="holds data made with"):
+        cli.main(argv)  # the same work dir without the flag is another configuration
 
 
 def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
@@ -346,7 +396,8 @@ def test_training_script_end_to_end(tmp_path):
     tokens = [s["tokens_per_round"] for s in stops]
     assert drafts[0] <= 3 and drafts == sorted(drafts, reverse=True) and 1 <= drafts[-1] < 3
     assert chat["tokens_per_round"] >= tokens[0] and tokens == sorted(tokens, reverse=True)
-    assert manifest["data"]["sequences"] == 12
+    assert manifest["data"]["sequences"] == 12 and manifest["data"]["magpie_prompts"] == 0
+    assert "magpie_prompts" not in json.loads((work / "meta.json").read_text())
     assert json.loads((out / "manifest.json").read_text())["command"].endswith("3")
     # a re-run resumes everything from the work dir: nothing is regenerated or retrained
     again = cli.main(argv)

@@ -1,7 +1,9 @@
 """``python -m engine.spec_decode.train_eagle``: prompts (templates, and with ``--magpie-prompts``
 ones the target writes itself), self-distilled answers, features, training, and the head
 directory (``engine.spec_decode.eagle_format``) with its manifest. Every stage caches its
-results in ``--work-dir``; re-running the same command resumes where it stopped."""
+results in ``--work-dir``; re-running the same command resumes where it stopped: stages 1 and 2
+at their first missing chunk, training at its last checkpoint (stage 0, minutes long, is kept
+only once finished)."""
 
 from __future__ import annotations
 
@@ -142,13 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
     chat = args.heldout_chat if args.heldout_chat != "none" else None
     prompts = make_prompts(args.num_prompts, args.seed)
     if args.magpie_prompts:  # none may repeat a template prompt or a held-out chat one
-        heldout = (
+        heldout_texts = (
             [] if not chat else [m["content"] for r in data.read_jsonl(chat) for m in r["messages"]]
         )
         prompts += magpie.synthesize_prompts(
-            llm_factory, args.magpie_prompts, work, prompts + heldout,
+            llm_factory, args.magpie_prompts, work, prompts + heldout_texts,
             on_done=functools.partial(_timings, work, "stage0_prompts"),
         )  # fmt: skip
+        # stage 1 starts from a freshly seeded engine whether or not stage 0 ran in this process
+        llm_factory.cache_clear()
     data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
                           functools.partial(_timings, work, "stage1_answers"))  # fmt: skip
     if chat:
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         "data": {
             "prompts": len(prompts),
             "magpie_prompts": args.magpie_prompts,
+            "magpie": magpie.SETTINGS,
             "sequences": len(convs),
             "train_sequences": len(train),
             "heldout_sequences": len(heldout),

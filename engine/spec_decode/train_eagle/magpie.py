@@ -5,8 +5,9 @@ message; an instruct model has learnt what its users ask, so these prompts follo
 was tuned on, far wider than the template lists in ``prompts.py``.
 
 Kept: messages the model closed itself (finish reason "stop"), of ``MIN_WORDS`` to ``MAX_WORDS``
-words, mostly printable ASCII, and new (case and spacing ignored; the held-out chat prompts
-count as seen, so none is trained on). Cached in ``<work_dir>/magpie_prompts.jsonl``."""
+words, mostly printable ASCII, and new: no exact repeat (case and spacing aside) of another or
+of ``seen`` (the template prompts and the held-out chat prompts). Cached in
+``<work_dir>/magpie_prompts.jsonl`` once all are written."""
 
 from __future__ import annotations
 
@@ -24,16 +25,29 @@ TOP_P = 0.9
 MAX_TOKENS = 96
 MIN_WORDS, MAX_WORDS = 4, 80
 MIN_PRINTABLE = 0.97
+SETTINGS = (
+    f"written by the target after its chat template's user-turn prefix at temperature "
+    f"{TEMPERATURE}, top-p {TOP_P}, at most {MAX_TOKENS} tokens; kept when finished, "
+    f"{MIN_WORDS}-{MAX_WORDS} words, >= {MIN_PRINTABLE:.0%} printable ASCII, no exact repeat"
+)
 _MARKER = "\uffffUSER\uffff"
 _PRINTABLE = set(string.printable)
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
-    """Token ids of the chat template up to where the first user message's text begins."""
+    """Token ids of the chat template up to where a user's message begins, encoded as
+    ``LLM.chat`` encodes a prompt. Spaces just before the message are left out: a tokenizer
+    joins such a space to the message's first word (" What"), so a prefix ending in a lone
+    space token is how no real prompt starts; the model writes the space itself."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--magpie-prompts needs a tokenizer with a chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
-    return tokenizer.encode(text[: text.index(_MARKER)], add_special_tokens=False)
+    if _MARKER not in text:
+        raise ValueError("--magpie-prompts: the chat template does not show the user's message")
+    prefix = text[: text.index(_MARKER)].rstrip(" ")
+    if not prefix:
+        raise ValueError("--magpie-prompts: the chat template puts nothing before the user's text")
+    return tokenizer.encode(prefix, add_special_tokens=False)
 
 
 def normalize(text: str) -> str:
@@ -54,24 +68,30 @@ def synthesize_prompts(
     work_dir: str,
     seen: Iterable[str] = (),
     batch_size: int = 256,
-    max_rounds: int = 64,
+    max_rounds: int | None = None,
     on_done: Callable[[dict], object] | None = None,
 ) -> list[str]:
     """``count`` self-written user prompts (cached); ``seen``: texts none may repeat.
-    ``on_done`` gets the seconds and the number of messages written when they were made."""
+    ``max_rounds`` of ``batch_size`` messages at most (None: enough for a keep rate of one in
+    four). ``on_done`` gets the seconds and the number of messages written when they were made."""
     path = os.path.join(work_dir, "magpie_prompts.jsonl")
-    if os.path.isfile(path):  # the work dir's meta.json pins the count
-        return [r["prompt"] for r in read_jsonl(path)]
+    if os.path.isfile(path):
+        cached = [r["prompt"] for r in read_jsonl(path)]
+        if len(cached) != count:
+            raise ValueError(f"{path} holds {len(cached)} prompts, not {count}")
+        return cached
     from engine import SamplingParams
 
-    start = time.perf_counter()
     llm = llm_factory()
+    start = time.perf_counter()
     prefix = user_turn_prefix(llm.tokenizer)
     params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=MAX_TOKENS)
     known = {normalize(t) for t in seen}
     out: list[str] = []
     written = 0
     bar = tqdm(total=count, desc="Stage 0: prompts", unit="prompt")
+    if max_rounds is None:
+        max_rounds = -(-4 * count // batch_size)
     for _ in range(max_rounds):
         outs = llm.generate([prefix] * batch_size, params, use_tqdm=False)
         written += len(outs)
@@ -88,7 +108,7 @@ def synthesize_prompts(
     if len(out) < count:
         raise ValueError(
             f"--magpie-prompts: the model wrote only {len(out)} usable prompts of {count} in "
-            f"{max_rounds} rounds of {batch_size}; ask for fewer"
+            f"{max_rounds} rounds of {batch_size}; ask for at most {len(out)}"
         )
     write_jsonl(path, [{"prompt": t} for t in out])
     if on_done is not None:
