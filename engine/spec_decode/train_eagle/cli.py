@@ -105,7 +105,7 @@ def _timings(work_dir: str, stage: str, stats: dict) -> dict:
             timings = json.load(f)
     entry = timings.setdefault(stage, {})
     for k, v in stats.items():
-        if isinstance(v, int | float) and not k.startswith("chunks"):
+        if isinstance(v, int | float):
             entry[k] = entry.get(k, 0) + v
     with open(path, "w") as f:
         json.dump(timings, f, indent=2)

@@ -63,18 +63,17 @@ def generate_answers(
     max_tokens: int,
     chunk_size: int,
     on_chunk: Callable[[dict], object] | None = None,
-) -> dict:
+) -> None:
     """Answer every prompt, chunk by chunk, skipping finished chunks. ``llm_factory()`` builds
     the engine (only if some chunk is missing). ``on_chunk`` gets each written chunk's seconds
-    and answer tokens (a run killed mid-stage has recorded every chunk it finished). Returns
-    the timing stats of this call."""
+    and answer tokens (a run killed mid-stage has recorded every chunk it finished)."""
     num_chunks = (len(prompts) + chunk_size - 1) // chunk_size
     todo = [i for i in range(num_chunks) if not os.path.isfile(chunk_path(work_dir, "answers", i))]
-    stats = {"chunks_done_before": num_chunks - len(todo), "seconds": 0.0, "answer_tokens": 0}
     if not todo:
-        return stats
+        return
     llm = llm_factory()
     start = time.perf_counter()
+    answered = 0
     bar = tqdm(total=len(prompts), initial=(num_chunks - len(todo)) * chunk_size,
                desc="Stage 1: answering", unit="prompt")  # fmt: skip
     last = start
@@ -88,17 +87,15 @@ def generate_answers(
             r["prompt"] = prompts[j]
         write_jsonl(chunk_path(work_dir, "answers", i), records)
         tokens = sum(len(r["answer_ids"]) for r in records)
-        stats["answer_tokens"] += tokens
+        answered += tokens
         now = time.perf_counter()
         if on_chunk is not None:
             on_chunk({"seconds": now - last, "answer_tokens": tokens})
         last = now
         bar.update(len(idx))
         elapsed = time.perf_counter() - start
-        bar.set_postfix(tok_s=f"{stats['answer_tokens'] / elapsed:.0f}")
+        bar.set_postfix(tok_s=f"{answered / elapsed:.0f}")
     bar.close()
-    stats["seconds"] = time.perf_counter() - start
-    return stats
 
 
 def load_conversations(work_dir: str, name: str = "answers") -> list[dict]:

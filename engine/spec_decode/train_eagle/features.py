@@ -87,19 +87,19 @@ def compute_features(
     name: str,
     batch_tokens: int = 4096,
     on_chunk: Callable[[dict], object] | None = None,
-) -> dict:
+) -> None:
     """Features for every chunk of ``<work_dir>/<name>/``; ``runner_factory()`` (a
     ``target_runner``) is called only if some chunk lacks its file. ``on_chunk`` gets each
-    written file's seconds and tokens. Returns the timing stats of this call."""
+    written file's seconds and tokens."""
     folder = os.path.join(work_dir, name)
     chunks = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     todo = [c for c in chunks if not os.path.isfile(feature_path(work_dir, name, c))]
-    stats = {"chunks_done_before": len(chunks) - len(todo), "seconds": 0.0, "tokens": 0}
     if not todo:
-        return stats
+        return
     runner = runner_factory()
     os.makedirs(os.path.join(work_dir, "features"), exist_ok=True)
     start = last = time.perf_counter()
+    done = 0
     bar = tqdm(todo, desc=f"Stage 2: features ({name})", unit="chunk")
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
@@ -116,14 +116,13 @@ def compute_features(
         path = feature_path(work_dir, name, chunk)
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
-        stats["tokens"] += int(lengths.sum())
+        tokens = int(lengths.sum())
+        done += tokens
         now = time.perf_counter()
         if on_chunk is not None:
-            on_chunk({"seconds": now - last, "tokens": int(lengths.sum())})
+            on_chunk({"seconds": now - last, "tokens": tokens})
         last = now
-        bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}")
-    stats["seconds"] = time.perf_counter() - start
-    return stats
+        bar.set_postfix(tok_s=f"{done / (now - start):.0f}")
 
 
 def load_features(work_dir: str, name: str) -> list[dict]:
