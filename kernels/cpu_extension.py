@@ -4,8 +4,10 @@ Linear (with SwiGLU fused in), and fused decoder-layer ops.
 Compiled with torch.utils.cpp_extension (g++ and ninja) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a process needs them, about
 a minute once per machine (``make setup`` does it); later processes load the cached build. The
-build's name carries a hash of the sources, the flags, Python and torch, so two checkouts or
-virtualenvs share a build when these agree and never rebuild over each other's when they differ.
+build's name carries a hash of the sources, the flags, Python and torch (its version and where it
+is installed: the compile commands name its headers, and ninja rebuilds everything when a
+command changes), so two checkouts share a build when these agree and two virtualenvs never
+rebuild over each other's.
 The build targets the SIMD level torch itself dispatches to on this CPU (ATen's
 Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP runtime where
 the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the system soname),
@@ -16,6 +18,7 @@ import functools
 import hashlib
 import logging
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +38,8 @@ _SOURCES = (
     "cpu_layer_stack.cpp",
 )
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
+# A build takes about 3 minutes on 2 cores; a lock older than this belongs to no live build.
+STALE_LOCK_S = 20 * 60
 _SIMD_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -52,12 +57,30 @@ def load() -> ModuleType:
     flags += _SIMD_FLAGS.get(simd, [])
     if simd == "AVX512" and "avx512_vnni" in _cpu_flags():
         flags.append("-mavx512vnni")  # the int8/Q4_1 kernels' vpdpwssd (cpu_int_dot.h)
+    name = build_name(simd, flags, _CSRC)
+    build_dir = Path(cpp_extension.get_default_build_root()) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir / "lock")
     return cpp_extension.load(
-        name=build_name(simd, flags, _CSRC),
-        sources=[str(_CSRC / name) for name in _SOURCES],
+        name=name,
+        build_directory=str(build_dir),
+        sources=[str(_CSRC / source) for source in _SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
     )
+
+
+def clear_stale_lock(lock: Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """Remove a build lock older than any build. torch holds ``lock`` while it compiles and
+    releases it in a ``finally``, so a build killed by a signal (a timeout's SIGTERM) leaves it
+    behind, and every later process would wait on it forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        logger.warning("removing %s, left %.0f min ago by a build that was killed", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def _cpu_flags() -> set[str]:
@@ -75,12 +98,13 @@ def _cpu_flags() -> set[str]:
 
 def build_name(simd: str, flags: list[str], csrc: Path) -> str:
     """``pagedspec_cpu_<simd>_<hash>``: the hash covers every file in ``csrc`` (sources and
-    headers), the compiler flags, the Python version and torch's version."""
+    headers), the compiler flags, the Python version, torch's version and its install folder."""
     digest = hashlib.sha256()
     for path in sorted(csrc.iterdir()):
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join([*flags, sys.version, torch.__version__]).encode())
+    torch_dir = str(Path(torch.__file__).parent)
+    digest.update(" ".join([*flags, sys.version, torch.__version__, torch_dir]).encode())
     return f"pagedspec_cpu_{simd.lower()}_{digest.hexdigest()[:16]}"
 
 

@@ -4,6 +4,9 @@ Problems come from kernels.testing.make_paged_problem, which poisons every cache
 owns with NaN: a kernel that reads past seq_len or past a table row's used entries fails here.
 """
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -311,14 +314,32 @@ def test_cpu_cache_write_across_threads_matches_reference(gen):
     assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
 
 
-def test_build_name_follows_sources_flags_and_versions(tmp_path):
+def test_build_name_follows_sources_flags_and_versions(tmp_path, monkeypatch):
     """Two checkouts with the same sources share a build; any edit, other flags or another
-    torch names a different one (so builds never overwrite each other's)."""
+    torch (another version, or the same one in another virtualenv) names a different one (so
+    builds never overwrite each other's)."""
     (tmp_path / "a.cpp").write_text("int f() { return 1; }\n")
     (tmp_path / "a.h").write_text("int f();\n")
     name = cpu_extension.build_name("AVX2", ["-O3"], tmp_path)
     assert name.startswith("pagedspec_cpu_avx2_")
     assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) == name
     assert cpu_extension.build_name("AVX2", ["-O2"], tmp_path) != name
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) != name
+    monkeypatch.undo()
     (tmp_path / "a.h").write_text("int f(void);\n")
     assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) != name
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """A lock older than any build is removed (a later load would wait on it forever); a
+    fresh one, a build under way in another process, is kept."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_extension.clear_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - cpu_extension.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_extension.clear_stale_lock(lock)
+    assert not lock.exists()
+    cpu_extension.clear_stale_lock(lock)  # none: nothing to do

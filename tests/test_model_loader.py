@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import engine.default_model
+from engine import LLM, SamplingParams
 from engine.default_model import convert_gguf
 from engine.gguf_loader import iter_gguf
 from engine.model_loader import iter_safetensors, load_model, resolve_dtype
@@ -366,3 +367,26 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     # by the next tensor's read); a second float copy of the model would be ~1.75x
     bound = 1.3 if quantization else 1.2
     assert growth <= bound * weight_bytes, (growth / 1e6, weight_bytes / 1e6)
+
+
+def test_a_float16_model_never_asks_for_the_cpp_kernels(tmp_path, monkeypatch):
+    """The C++ kernels are float32/bf16 only: loading and running a float16 model (the GPU
+    check's CPU dry run) must not build them, a first build being minutes on 2 cores."""
+
+    def refuse() -> None:
+        raise AssertionError("the C++ extension was asked for")
+
+    monkeypatch.setattr(cpu_extension, "load", refuse)
+    monkeypatch.setattr(cpu_extension, "available", refuse)
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    llm = LLM(
+        model=str(tmp_path),
+        load_format="dummy",
+        dtype="float16",
+        device="cpu",
+        attention_backend="torch",
+        max_model_len=64,
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    [out] = llm.generate([[1, 2, 3]], params)
+    assert len(out.outputs[0].token_ids) == 4

@@ -86,8 +86,8 @@ class Linear(nn.Linear):
         if (
             packed_weight(weight) is None
             and not weight.requires_grad
+            and weight.dtype in (torch.float32, torch.bfloat16)  # before the extension loads
             and _fused_cpu(weight, dtype=weight.dtype)
-            and weight.dtype in (torch.float32, torch.bfloat16)
         ):
             pack_weight(weight)
 
