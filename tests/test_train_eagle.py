@@ -402,3 +402,5 @@ def test_training_script_end_to_end(tmp_path):
     # a re-run resumes everything from the work dir: nothing is regenerated or retrained
     again = cli.main(argv)
     assert again["eval"] == manifest["eval"]
+    train_s = manifest["timings_seconds"]["stage3_train"]["seconds_total"]
+    assert again["timings_seconds"]["stage3_train"]["seconds_total"] == train_s  # not twice

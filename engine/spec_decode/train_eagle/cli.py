@@ -96,14 +96,17 @@ def _check_meta(work_dir: str, meta: dict) -> None:
             json.dump(meta, f, indent=2)
 
 
-def _timings(work_dir: str, stage: str, stats: dict) -> dict:
-    """Stage timings accumulated over resumed runs, in ``<work_dir>/timings.json``."""
+def _timings(work_dir: str, stage: str, stats: dict, replace: bool = False) -> dict:
+    """Stage timings accumulated over resumed runs, in ``<work_dir>/timings.json``; with
+    ``replace``, ``stats`` are already totals (training's, kept across resumes in its
+    checkpoint) and overwrite the stage's entry."""
     path = os.path.join(work_dir, "timings.json")
     timings = {}
     if os.path.isfile(path):
         with open(path) as f:
             timings = json.load(f)
-    entry = timings.setdefault(stage, {})
+    entry = {} if replace else timings.setdefault(stage, {})
+    timings[stage] = entry
     for k, v in stats.items():
         if isinstance(v, int | float):
             entry[k] = entry.get(k, 0) + v
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
                       warmup=min(50, max(1, steps // 10)))  # fmt: skip
     state = train_head(head, train, embed, t2d, lm_rows[d2t], cfg, work)
-    _timings(work, "stage3_train", {"seconds_total": state["seconds"]})
+    _timings(work, "stage3_train", {"seconds_total": state["seconds"]}, replace=True)
 
     t_eval = time.perf_counter()
     evals = {"heldout_split": evaluate_convs(head, heldout, embed, t2d, lm_rows, args.eval_steps,
