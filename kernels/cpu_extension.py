@@ -37,9 +37,9 @@ _SOURCES = (
     "cpu_linear_bf16.cpp",
     "cpu_layer_stack.cpp",
 )
-# torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 # A build takes about 3 minutes on 2 cores; a lock older than this belongs to no live build.
 STALE_LOCK_S = 20 * 60
+# torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 _SIMD_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
