@@ -389,7 +389,7 @@ def test_training_script_end_to_end(tmp_path):
     assert manifest["training"]["bf16_autocast"]
     assert last["step"] == 149 and last["loss"] < 0.6 * first["loss"], (first, last)
     chat = manifest["eval"]["heldout_chat"]
-    assert len(chat["acc_greedy"]) == 3
+    assert len(chat["acc_greedy"]) == 3 and 0 < chat["sampled_accept"] <= 1
     # chain stops: a higher threshold drafts no more and accepts no more than a lower one
     stops = [chat["chain_stop"][str(tau)] for tau in losses.CHAIN_STOPS]
     drafts = [s["drafts_per_round"] for s in stops]
@@ -404,3 +404,43 @@ def test_training_script_end_to_end(tmp_path):
     assert again["eval"] == manifest["eval"]
     train_s = manifest["timings_seconds"]["stage3_train"]["seconds_total"]
     assert again["timings_seconds"]["stage3_train"]["seconds_total"] == train_s  # not twice
+
+
+def test_sampled_accept_is_the_overlap_of_the_tempered_distributions():
+    """``sampled_accept`` = mean over trained positions of sum_x min(p(x), q(x)): p the target's
+    distribution over its whole vocabulary, q the head's over its draft ids (zero elsewhere),
+    both at SAMPLED_TEMPERATURE; computed here in float64."""
+    head, emb, feat = _head_and_inputs()
+    head.d2t.copy_(torch.arange(10) * 7)
+    target_head = torch.randn(TINY.vocab_size, 32)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+    batch = {"embeds": emb, "features": feat, "mask": mask, "greedy": torch.zeros(2, dtype=bool),
+             "labels": torch.zeros(2, 12, dtype=torch.long),
+             "next_tokens": torch.zeros(2, 12, dtype=torch.long)}  # fmt: skip
+    got = losses.evaluate(head, [batch], target_head, steps=1)["sampled_accept"]
+    t = losses.SAMPLED_TEMPERATURE
+    h = head(emb, feat, steps=1)[0][mask].double()
+    p = torch.softmax(feat[mask].double() @ target_head.double().T / t, -1)
+    q = torch.zeros_like(p)
+    q[:, head.d2t] = torch.softmax(h @ head.lm_head.weight.double().T / t, -1)
+    assert got == pytest.approx(float(torch.minimum(p, q).sum(-1).mean()), rel=1e-5)
+
+
+def test_soft_ce_is_cross_entropy_against_the_targets_distribution():
+    """With ``soft_from``, each unrolled step's CE is against softmax(feature @ rows.T) at the
+    positions that step trains (step s: positions >= s), checked in float64."""
+    head, emb, feat = _head_and_inputs()
+    rows = torch.randn(10, 32)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[1, 9:] = False
+    batch = {"embeds": emb, "features": feat, "mask": mask,
+             "labels": torch.zeros(2, 12, dtype=torch.long)}  # fmt: skip
+    _, metrics = losses.head_loss(head, batch, 2, 0.0, 1.0, 0.8, soft_from=rows)
+    outs = head(emb, feat, steps=2)
+    for s, h in enumerate(outs):
+        m = mask & (torch.arange(12) >= s)
+        p = torch.softmax(feat[m].double() @ rows.double().T, -1)
+        log_q = torch.log_softmax(head.lm_head(h[m]).double(), -1)
+        assert metrics[f"ce_{s}"] == pytest.approx(float(-(p * log_q).sum(-1).mean()), rel=1e-5)

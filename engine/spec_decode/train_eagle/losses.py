@@ -40,6 +40,8 @@ def head_loss(head, batch: dict, steps: int, noise: float, ce_weight: float, dec
 
 # min_draft_confidence values the evaluation reports (engine.config.DEFAULT_MIN_DRAFT_CONFIDENCE)
 CHAIN_STOPS = (0.1, 0.2, 0.3, 0.4, 0.5)
+# The temperature of sampled_accept (benchmarks/spec_decode.py's sampled runs).
+SAMPLED_TEMPERATURE = 0.8
 
 
 @torch.no_grad()
@@ -50,6 +52,8 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
     - ``acc_next[s]``: step s's argmax equals the data's next token (step s at position i sees
       its own outputs for positions i-s..i-1, i.e. it is the (s+1)-th token of a chain draft),
     - ``acc_greedy[s]``: the same against the target's argmax (from its feature, full vocab),
+    - ``sampled_accept``: the first draft's acceptance when drafts are sampled and verified at
+      ``SAMPLED_TEMPERATURE``, sum_x min(p(x), q(x)) with p and q after that temperature,
     - on greedy conversations only, where the data is the target's own greedy chain:
       ``chain_accept[s]`` = share of draft rounds whose first s+1 drafts all match the target's
       argmax and ``tokens_per_round`` = 1 + sum of them (expected tokens per verification at
@@ -75,7 +79,11 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
         known = labels != IGNORE
         ce = F.cross_entropy(head.lm_head(h0)[known], labels[known], reduction="sum")
         add("ce", ce, int(known.sum()))
-        target_argmax = (feats @ target_head.T).argmax(-1)
+        target_logits = feats @ target_head.T
+        target_argmax = target_logits.argmax(-1)
+        p = torch.softmax(target_logits[mask] / SAMPLED_TEMPERATURE, -1)[:, d2t]
+        q = torch.softmax(head.lm_head(h0) / SAMPLED_TEMPERATURE, -1)  # 0 outside d2t
+        add("sampled_accept", torch.minimum(p, q).sum(), n)
         hits, confs = [], []
         for s, h in enumerate(outs):
             logits = head.lm_head(h)
@@ -102,7 +110,7 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
                 add(f"stop_{tau}_drafts", made.sum(), int(start_ok.sum()) if s == 0 else 0)
                 add(f"stop_{tau}_accepted", (run & made).sum(), 0)
             path = path * confs[s][:, s : s + length]
-    res = {k: sums[k] / max(counts[k], 1) for k in ("smooth_l1", "l1", "ce")}
+    res = {k: sums[k] / max(counts[k], 1) for k in ("smooth_l1", "l1", "ce", "sampled_accept")}
     res["positions"] = int(counts.get("l1", 0))
     res["acc_next"] = [
         sums[f"acc_next_{s}"] / max(counts[f"acc_next_{s}"], 1) for s in range(steps)
