@@ -77,12 +77,13 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
         add("l1", (h0 - feats[mask]).abs().mean() * n, n)
         labels = batch["labels"][mask]
         known = labels != IGNORE
-        ce = F.cross_entropy(head.lm_head(h0)[known], labels[known], reduction="sum")
+        logits0 = head.lm_head(h0)
+        ce = F.cross_entropy(logits0[known], labels[known], reduction="sum")
         add("ce", ce, int(known.sum()))
         target_logits = feats @ target_head.T
         target_argmax = target_logits.argmax(-1)
         p = torch.softmax(target_logits[mask] / SAMPLED_TEMPERATURE, -1)[:, d2t]
-        q = torch.softmax(head.lm_head(h0) / SAMPLED_TEMPERATURE, -1)  # 0 outside d2t
+        q = torch.softmax(logits0 / SAMPLED_TEMPERATURE, -1)  # 0 outside d2t
         add("sampled_accept", torch.minimum(p, q).sum(), n)
         hits, confs = [], []
         for s, h in enumerate(outs):
