@@ -11,8 +11,9 @@ from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
 from engine.config import DEFAULT_MAX_DRAFT_SKIP, DEFAULT_MIN_DRAFT_CONFIDENCE
+from engine.penalties import TokenHistory
 from engine.spec_decode.backoff import DraftBackoff
-from engine.spec_decode.proposers import NgramProposer, Proposal
+from engine.spec_decode.proposers import NgramProposer, Proposal, draw_drafts
 
 PROMPTS = [
     "one two three four five one two three four five one two three",
@@ -347,3 +348,22 @@ def test_sampled_drafts_from_a_draft_equal_to_the_target_are_all_accepted(tiny_l
         assert stats.num_draft_tokens > 20
         rates[sample] = stats.acceptance_rate
     assert rates[True] > 0.99 and rates[False] < 0.9  # greedy drafts: accepted with p(argmax)
+
+
+def test_greedy_drafts_are_the_argmax_of_the_penalised_logits():
+    """A greedy draft is the argmax after the request's penalties (what the target's greedy
+    sample will be), with no q: verification of greedy drafts reads none. A sampled row in the
+    batch brings q, one-hot on the greedy rows."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
+    penalised = SamplingParams(temperature=0, repetition_penalty=4.0)  # 3.0 -> 0.75 for id 1
+    rows = [
+        (TokenHistory(penalised, [1], 1), 1),
+        (TokenHistory(SamplingParams(temperature=0), [1], 1), 1),
+    ]
+    generator = torch.Generator().manual_seed(0)
+    ids, q = draw_drafts(logits, rows, generator)
+    assert ids.tolist() == [2, 1] and q is None
+    sampled = (TokenHistory(SamplingParams(temperature=1.0), [1], 1), 1)
+    ids, q = draw_drafts(logits, [rows[0], sampled], generator)
+    assert ids[0] == 2 and q[0].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert torch.allclose(q[1], torch.softmax(logits[1], -1))

@@ -128,11 +128,10 @@ class EagleProposer:
         self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]]
     ) -> tuple[list[int], torch.Tensor | None]:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
-        (zero outside the draft vocabulary); None when every row is greedy, as verification
-        then reads no q (at batch 1 building it was a fifth of a draft step)."""
+        (zero outside the draft vocabulary); None when every row is greedy."""
         d2t = self.head.d2t
         ids, q_draft = draw_drafts(logits, rows, self.generator, d2t)
-        if all(history.params.greedy for history, _ in rows):
+        if q_draft is None:
             return d2t[ids].tolist(), None
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
         q[:, d2t] = q_draft

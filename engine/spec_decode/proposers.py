@@ -200,14 +200,21 @@ def draw_drafts(
     rows: list[tuple[TokenHistory, int]],
     generator: torch.Generator,
     token_map: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft id per row of a draft model's logits, with q (its distribution processed like
     the target's: penalties, temperature, top-k, top-p, min-p): the argmax for greedy requests,
-    else a sample of q. ``rows[i]`` = (the request's params and the tokens the draft follows,
-    the draft's position); a seeded request draws from a generator of its own, seeded by
-    (seed, position), so its drafts do not depend on the batch; the others share ``generator``.
+    else a sample of q. q is None when every row is greedy: a greedy draft's q is one-hot and
+    verification reads none (at batch 1 building it and racing over it cost half a head step).
+    ``rows[i]`` = (the request's params and the tokens the draft follows, the draft's
+    position); a seeded request draws from a generator of its own, seeded by (seed, position),
+    so its drafts do not depend on the batch; the others share ``generator``.
     ``token_map``: the target id of each logit column (a reduced draft vocabulary)."""
     params = [h.params for h, _ in rows]
+    # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
+    # it too keeps the drafts close to what the target will accept
+    penalised = apply_penalties(logits, [h for h, _ in rows], token_map)
+    if all(p.greedy for p in params):  # the argmax of the one-hot q, lowest id on ties
+        return penalised.argmax(-1), None
     batch = SamplingBatch.from_params(
         temperature=[p.temperature for p in params],
         top_k=[p.top_k for p in params],
@@ -215,9 +222,7 @@ def draw_drafts(
         min_p=[p.min_p for p in params],
         device=logits.device,
     )
-    # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
-    # it too keeps the drafts close to what the target will accept
-    q = processed_probs(apply_penalties(logits, [h for h, _ in rows], token_map), batch)
+    q = processed_probs(penalised, batch)
     generators = [
         None
         if p.seed is None

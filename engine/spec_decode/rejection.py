@@ -92,8 +92,8 @@ def rejection_sample(
 
     # the last emitted token is drawn from position num_accepted: recovered if that position held
     # a rejected draft, bonus if every draft was accepted
-    last_pos = num_accepted[:, None, None].expand(num_seqs, 1, vocab)
-    p_last = target_probs.gather(1, last_pos).squeeze(1).float()
+    rows = torch.arange(num_seqs, device=device)
+    p_last = target_probs[rows, num_accepted].float()
     rejected = (num_accepted < num_drafts)[:, None]
     if k == 0:
         q_last = torch.zeros_like(p_last)
@@ -103,8 +103,7 @@ def rejection_sample(
         in_vocab_at = in_vocab.gather(1, rejected_pos)
         q_last = torch.zeros_like(p_last).scatter_(1, rejected_id, in_vocab_at.float())
     else:
-        rejected_pos = num_accepted.clamp(max=k - 1)[:, None, None].expand(num_seqs, 1, vocab)
-        q_last = draft_probs.gather(1, rejected_pos).squeeze(1).float()
+        q_last = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
     last_token = race(_recovery_weights(p_last, q_last * rejected), exponentials)
 
     positions = torch.arange(k + 1, device=device)[None, :]
