@@ -9,6 +9,7 @@ from stats import chi_square
 from engine.sampler import (
     Sampler,
     SamplingBatch,
+    inverse_cdf,
     processed_probs,
     sample_from_probs,
     token_logprobs,
@@ -180,6 +181,28 @@ def test_padding_lanes_and_zero_weights_are_never_sampled():
     counts = torch.bincount(ids, minlength=vocab)
     stat, threshold = chi_square(counts, weights[0] / 4)
     assert stat < threshold
+
+
+def test_inverse_cdf_over_many_chunks_follows_the_weights():
+    """A vocabulary of several first-level chunks, not a multiple of the chunk (so padded),
+    with empty chunks (the first and the last among them), a heavy lane and a tiny one:
+    frequencies follow w / sum(w), and u = 0 and u = 1 land on the first and last lanes with
+    weight, never in an empty chunk."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 1100  # chunks of 256: [0, 256) ... [1024, 1100) + padding
+    w = torch.rand(vocab, generator=gen) ** 4
+    w[:300] = 0.0  # chunk 0 empty, chunk 1 starts with zeros
+    w[600:700] = 0.0
+    w[1000:] = 0.0  # the last chunk empty
+    w[700] = 5.0
+    w[513] = 1e-3
+    n = 400_000
+    uniforms = torch.rand(n, dtype=torch.float64, generator=gen)
+    ids = inverse_cdf(w.expand(n, vocab), uniforms)
+    stat, threshold = chi_square(torch.bincount(ids, minlength=vocab), w.double() / w.sum())
+    assert stat < threshold
+    edges = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    assert inverse_cdf(w.expand(2, vocab), edges).tolist() == [300, 999]
 
 
 @pytest.mark.parametrize(

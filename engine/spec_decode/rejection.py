@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import draw_rows, exponential_draws, race
+from engine.sampler import draw_rows, inverse_cdf
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
@@ -33,8 +33,9 @@ def rejection_sample(
     num_draft_tokens: long [S], clamped to [0, K]; None means K for every row.
     generator: one generator for the whole batch (None = torch's default), or a list with one entry
         per row. Rows that share a generator object draw together; a row with a generator of its
-        own draws exactly K float64 uniforms and then V exponentials from it per call, so a seeded
-        row's tokens do not depend on the other rows in the batch (for a fixed K).
+        own draws exactly K + 1 float64 uniforms from it per call (K ratio tests, then the last
+        token's), so a seeded row's tokens do not depend on the other rows in the batch (for a
+        fixed K).
 
     Output row s: the accepted drafts, then one recovered or bonus token, then -1 padding. Ids are
     always in [0, V): a valid draft id outside [0, V) counts as p(x) = 0 and is rejected.
@@ -73,7 +74,7 @@ def rejection_sample(
                 f"generator list has {len(generator)} entries, expected S = {num_seqs}"
             )
 
-    uniforms, exponentials = _draw(num_seqs, k, vocab, generator, device)
+    uniforms = _draw(num_seqs, k, generator, device)  # [S, K + 1]
 
     drafts = draft_token_ids.to(device=device, dtype=torch.long)
     valid = torch.arange(k, device=device) < num_drafts[:, None]  # [S, K]
@@ -87,7 +88,7 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(2, safe_drafts[..., None]).squeeze(-1).double()
     # u ~ U[0, 1): P(u * q < p) = min(1, p / q), and p = 0 is never accepted, not even at u = 0
-    accepted = (uniforms * q_draft < p_draft) & valid
+    accepted = (uniforms[:, :k] * q_draft < p_draft) & valid
     num_accepted = accepted.long().cumprod(1).sum(1)  # [S], in [0, num_drafts]
 
     # the last emitted token is drawn from position num_accepted: recovered if that position held
@@ -104,7 +105,7 @@ def rejection_sample(
         q_last = torch.zeros_like(p_last).scatter_(1, rejected_id, in_vocab_at.float())
     else:
         q_last = draft_probs[rows, num_accepted.clamp(max=k - 1)].float()
-    last_token = race(_recovery_weights(p_last, q_last * rejected), exponentials)
+    last_token = inverse_cdf(_recovery_weights(p_last, q_last * rejected), uniforms[:, k])
 
     positions = torch.arange(k + 1, device=device)[None, :]
     padded_drafts = torch.cat([safe_drafts, safe_drafts.new_zeros(num_seqs, 1)], dim=1)
@@ -113,7 +114,7 @@ def rejection_sample(
 
 
 def _recovery_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p − q), unnormalised (the race needs no normalisation); p itself where that is all 0.
+    """max(0, p − q), unnormalised (sampling needs no normalisation); p itself where that is all 0.
 
     q is all zero for rows that emit a bonus token, which then sample p.
     """
@@ -124,19 +125,17 @@ def _recovery_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _draw(
     num_seqs: int,
     k: int,
-    vocab: int,
     generator: torch.Generator | list[torch.Generator | None] | None,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 uniforms [S, K] for the ratio tests, then Exp(1) draws [S, V] for the last token."""
+) -> torch.Tensor:
+    """Float64 uniforms [S, K + 1]: K for the ratio tests, then one for the last token."""
 
-    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        uniforms = torch.rand(m, k, dtype=torch.float64, device=device, generator=gen)
-        return uniforms, exponential_draws(m, vocab, device, gen)
+    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
+        return (torch.rand(m, k + 1, dtype=torch.float64, device=device, generator=gen),)
 
     if isinstance(generator, list):
-        return draw_rows(generator, draw)
-    return draw(num_seqs, generator)
+        return draw_rows(generator, draw)[0]
+    return draw(num_seqs, generator)[0]
 
 
 def verify_deterministic_drafts(
