@@ -61,6 +61,12 @@ def _section(title: str, notes: list[str], columns: str, rows: list[dict], after
     return [f"## {title}", "", *notes, *_table(columns, rows), "", *after]
 
 
+def _sampling(cfg: dict) -> str:
+    """How a throughput run sampled (runs from before --temperature were greedy)."""
+    t = cfg.get("temperature", 0.0)
+    return "greedy" if not t else f"temperature {t} (top-k and top-p off)"
+
+
 def _machine(p: dict) -> list[str]:
     m = p["machine"]
     device = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads"
@@ -89,7 +95,7 @@ def render_throughput(p: dict) -> list[str]:
         *_machine(p),
         f"- workload: per batch size B, {cfg['waves']} x B requests submitted at once, "
         f"input {cfg['input_len']} tokens, output {cfg['output_len']} tokens (uniform, seed "
-        f"{cfg['seed']}), greedy, ignore_eos",
+        f"{cfg['seed']}), {_sampling(cfg)}, ignore_eos",
         f"- each system's fastest of {cfg.get('repeats', 1)} timed runs (the systems take turns; "
         "pagedspec from a fresh engine each run, so no run hits the prefix cache)",
         f"- weights: {p['weights_note']}",
@@ -434,7 +440,7 @@ RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 def targets(p: dict) -> list[dict]:
     """The targets ``p``'s benchmark measured: name, value, threshold, whether it passed."""
     found = []  # (name, value, threshold[, unit, strictly above])
-    if p["benchmark"] == "throughput":
+    if p["benchmark"] == "throughput" and not p.get("config", {}).get("temperature"):  # greedy
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):

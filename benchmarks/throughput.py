@@ -1,8 +1,9 @@
 """Offline throughput and latency: pagedspec against HF transformers peers, over batch sizes.
 
 Throughput: per batch size B, B x --waves requests of seeded random lengths submitted at once,
-greedy, ignore_eos (a smaller B's requests are a prefix of a larger one's; more waves queue
-requests behind the running ones). Generated and total tokens/s, requests/s, TTFT and TPOT from
+greedy (--temperature > 0: sampled, top-k and top-p off, in pagedspec and the HF peers alike),
+ignore_eos (a smaller B's requests are a prefix of a larger one's; more waves queue requests
+behind the running ones). Generated and total tokens/s, requests/s, TTFT and TPOT from
 submission; pagedspec's KV blocks, preemptions and share of the measured decode ceiling. Peers:
 ``hf-static``, ``generate`` over static left-padded batches of B, each run to its longest output
 (only each request's own tokens count); ``hf-batch``, HF's paged continuous batching driven
@@ -62,8 +63,17 @@ def pad_id(model) -> int:
     return next((v for v in values if isinstance(v, int)), 0)
 
 
+def sampling(temperature: float) -> dict:
+    """HF generation options for ``temperature`` (0: greedy), top-k and top-p off as in ours."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 @torch.inference_mode()
-def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+def run_hf_static(
+    model, requests: list[BenchRequest], batch_size: int, temperature: float = 0.0
+) -> list[RequestTiming]:
     """Static batches of ``batch_size`` in request order, each run to its longest output."""
     device, pad, timings, start = model.device, pad_id(model), [], time.perf_counter()
     for lo in range(0, len(requests), batch_size):
@@ -76,8 +86,9 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
             mask[row, width - len(r.prompt_ids) :] = 1
         longest = max(r.output_len for r in group)
         clock = _StepClock()
-        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-            pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id)  # fmt: skip
+        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest,
+            pad_token_id=pad, eos_token_id=model.generation_config.eos_token_id,
+            **sampling(temperature))  # fmt: skip
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                        generation_config=config, logits_processor=[clock])  # fmt: skip
         if len(clock) != longest:
@@ -88,7 +99,9 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int) -> list[
 
 
 @torch.inference_mode()
-def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[RequestTiming]:
+def run_hf_batch(
+    model, requests: list[BenchRequest], batch_size: int, temperature: float = 0.0
+) -> list[RequestTiming]:
     """Transformers' paged continuous batching: up to ``batch_size`` requests per step."""
     longest, page = max(len(r.prompt_ids) + r.output_len for r in requests), 256
     # Every request fits at once: like pagedspec's sizing, no run is memory-bound.
@@ -97,7 +110,7 @@ def run_hf_batch(model, requests: list[BenchRequest], batch_size: int) -> list[R
         num_blocks=blocks, max_batch_tokens=MAX_BATCH_TOKENS)  # fmt: skip
     # No EOS: every request makes exactly its output_len tokens.
     gen_config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests),
-        do_sample=False, eos_token_id=-1, pad_token_id=pad_id(model))  # fmt: skip
+        eos_token_id=-1, pad_token_id=pad_id(model), **sampling(temperature))  # fmt: skip
     results = {}
     with model.continuous_batching_context_manager(
         generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30
@@ -212,6 +225,8 @@ def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | No
         reason = llamacpp.unavailable_reason()
         if reason is None and precision is None:
             reason = f"no precision row for dtype {dtype}; pass --precision"
+        if reason is None and args.temperature > 0:
+            reason = "it runs greedy only here (--temperature > 0)"
         if reason is not None:  # skipped with its reason, not faked
             print(f"skipping peer llamacpp: {reason}", flush=True)
             others, skipped["llamacpp"] = [p for p in others if p != "llamacpp"], reason
@@ -235,8 +250,8 @@ def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | No
         runs: dict[str, list[dict]] = {name: [] for name in ["pagedspec", *others]}
         for _ in range(args.repeats):
             engine = make_engine(spec, args, b, blocks, **quantization)
-            run_engine(engine, warm)
-            measured = run_engine(engine, timed)
+            run_engine(engine, warm, temperature=args.temperature)
+            measured = run_engine(engine, timed, temperature=args.temperature)
             del engine
             workload.release_memory(device)
             runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
@@ -246,8 +261,8 @@ def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | No
                         timings = run_llamacpp(peer_info[p]["gguf"], warm, timed, b)
                     else:
                         run = {"hf-static": run_hf_static, "hf-batch": run_hf_batch}[p]
-                        run(hf_model, warm, b)
-                        timings = run(hf_model, timed, b)
+                        run(hf_model, warm, b, args.temperature)
+                        timings = run(hf_model, timed, b, args.temperature)
                     runs[p].append(summarize(timings, input_tokens))
                 except Exception as e:
                     runs[p].append({"error": f"{type(e).__name__}: {e}"})
@@ -351,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=2, help="timed runs per system and size; fastest kept")
     add("--input-len", default="32:256", help="N or LO:HI (uniform)")
     add("--output-len", default="32:128", help="N or LO:HI (uniform)")
+    add("--temperature", type=float, default=0.0, help="throughput: 0 greedy, else sampled")
     add("--peers", default=list(HF_PEERS), type=lambda t: [p for p in t.split(",") if p],
         help=f"among {PEERS}; '' for none")  # fmt: skip
     add("--precision", choices=sorted(PRECISIONS), default=None,

@@ -331,6 +331,18 @@ def test_throughput_and_latency_runs(tiny_llama, bench_dir):
     assert "## Throughput" in text and "## Latency" in text and "/throughput.png)" in text
 
 
+def test_sampled_throughput_runs_every_system_and_sets_no_target(tiny_llama, tmp_path):
+    args = ["--model", tiny_llama, "--batch-sizes", "2", "--input-len", "8", "--output-len", "4"]
+    args += ["--repeats", "1", "--temperature", "0.8", "--tag", "sampled"]
+    args += ["--output-dir", str(tmp_path)]
+    payload = throughput.run(throughput.build_parser().parse_args(args))
+    for name, s in payload["results"][0]["systems"].items():
+        assert "error" not in s and s["output_tokens"] == 4 * 2, (name, s)
+    assert report.targets(payload) == []  # the targets are greedy runs'
+    text = report.render(tmp_path, tmp_path / "RESULTS.md")
+    assert "temperature 0.8 (top-k and top-p off), ignore_eos" in text
+
+
 def test_spec_decode_is_lossless(tiny_llama, bench_dir):
     args = ["--model", tiny_llama, "--num-prompts", "2", "--max-tokens", "8", "--k-values", "2"]
     args += ["--batch-sizes", "1,2", "--sweep-max-tokens", "6", "--output-dir", str(bench_dir)]
