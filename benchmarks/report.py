@@ -130,8 +130,9 @@ def _precision_notes(p: dict) -> list[str]:
     notes, q = [], p.get("precision")
     if q:
         quant = f", quantization={q['quantization']}" if q["quantization"] else ""
-        notes.append(f"- precision {q['name']}: pagedspec dtype={q['dtype']}{quant}; llama.cpp "
-                     f"{q['gguf_type']} ({q['note']})")  # fmt: skip
+        peer = "llamacpp" in p.get("config", {}).get("peers", [])
+        llama = f"; llama.cpp {q['gguf_type']} ({q['note']})" if peer else ""
+        notes.append(f"- precision {q['name']}: pagedspec dtype={q['dtype']}{quant}{llama}")
     for name, info in p.get("peers", {}).items():
         notes.append(f"- {name}: llama-cpp-python {info['version']} built from source, "
                      f"`llama_batch` continuous batching, one sequence id per request, "
