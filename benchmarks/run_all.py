@@ -19,6 +19,8 @@ RESULTS = "benchmarks/results"
 # name: "module flags..." (benchmarks.<module>).
 FULL = {
     "throughput": "throughput --batch-sizes 1,4,16,32,64 --input-len 32:128 --output-len 32:64",
+    "throughput-sampled": "throughput --batch-sizes 1,32 --input-len 64 --output-len 64 "
+    "--temperature 0.8 --tag throughput-sampled",
     "latency": "throughput --latency --batch-sizes 1,4 --output-len 32 --warmup-iters 1 --iters 3",
     "spec_decode": "spec_decode --num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24 --methods ngram,eagle --eagle-prompts 8 "
