@@ -1,5 +1,5 @@
-"""``make bench``: every benchmark at CPU size (about 45 minutes on 2 cores: EAGLE ~3-4 of them,
-the serving benchmark ~12 (its peer is slow) and the soak 10),
+"""``make bench``: every benchmark at CPU size (about 50 minutes on 2 cores: EAGLE ~3-4 of them,
+the serving benchmark ~12 (its peer is slow), the soak 10 and sampled throughput 4),
 each in its own process writing to benchmarks/results, then RESULTS.md regenerated; run_all.json
 records each command, its exit status and wall time. The accuracy table takes ~2 minutes more
 (~10 with llama.cpp); where llama_cpp imports (``make bench-peers``), llama.cpp also runs as a

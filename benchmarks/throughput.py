@@ -329,6 +329,8 @@ def run(args: argparse.Namespace) -> dict:
     precision = pick_precision(args)  # sets --dtype from --precision
     if args.latency and precision and precision.quantization:
         raise ValueError("--latency runs unquantized weights: --precision must be fp32 or bf16")
+    if args.temperature < 0 or (args.latency and args.temperature):
+        raise ValueError(f"--temperature must be >= 0, 0 with --latency; got {args.temperature}")
     device = workload.resolve_device(args.device, args.dtype)[0]
     config = {k: v for k, v in vars(args).items() if k not in ("output_dir", "tag")}
     config |= {"batch_sizes": batch_sizes}

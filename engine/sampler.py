@@ -182,39 +182,42 @@ _CDF_CHUNK = 256
 
 
 def uniform_draws(m: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """U[0, 1) draws [m], float64: fine enough that u * sum(w) resolves every lane of a row."""
+    """U[0, 1) draws [m], float64 (float32's 2^-24 steps would be coarser than small lanes)."""
     return torch.rand(m, dtype=torch.float64, device=device, generator=generator)
 
 
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of weights [N, V] (>= 0, need not sum to 1) and its uniform u (float64 [N] in
     [0, 1]), the id i whose interval of the cumulative weights holds u * sum(w): i with
-    probability w_i / sum(w). Zero-weight lanes own empty intervals and are never returned.
+    probability w_i / sum(w). Zero-weight lanes own empty intervals and are never returned; a
+    row with no weight (or a NaN) returns 0.
 
     Two levels, so that no prefix sum runs over the whole vocabulary (a float32 one over 49k
-    lanes would blur the smallest lanes' intervals): the sums of chunks of ``_CDF_CHUNK`` lanes
-    (float32 sums, exact to ~1e-7 of each chunk's mass, then float64 prefix sums over chunks),
-    and float64 prefix sums inside the chosen chunk only. On the CPU this is 1/2 (one row) to
-    1/25 (32 rows) of an exponential race's time, which draws V exponentials per row. The
-    chosen point is kept strictly below each level's total, so float rounding can only move it
-    to the last lane with weight, never past it. No host sync.
+    lanes would blur the smallest lanes' intervals, a float64 one is slow on many rows): chunks
+    of ``_CDF_CHUNK`` lanes are chosen by their float32 sums (each chunk's share exact to ~1e-7
+    of its mass), then a lane by float64 prefix sums inside the chosen chunk only, onto which
+    the point is rescaled, so a lane's share of its chunk is exact. The point is kept strictly
+    below each level's total, so float rounding can only move it to the last lane with weight,
+    never past it. No host sync.
     """
     rows, vocab = weights.shape
     pad = -vocab % _CDF_CHUNK
     padded = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
-    chunks = padded.reshape(rows, -1, _CDF_CHUNK)
-    sums = chunks.sum(-1).double()  # [N, C]
+    chunks = padded.reshape(rows, (vocab + pad) // _CDF_CHUNK, _CDF_CHUNK)
+    sums = chunks.sum(-1, dtype=torch.float32).double()  # [N, C]
     cdf = sums.cumsum(-1)
     total = cdf[:, -1:]
     point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
     chunk = torch.searchsorted(cdf, point, right=True).clamp_(max=cdf.shape[1] - 1)  # [N, 1]
-    before = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    before = torch.nn.functional.pad(cdf, (1, 0)).gather(1, chunk)
     index = torch.arange(rows, device=weights.device)
     inner = chunks[index, chunk[:, 0]].double().cumsum(-1)  # [N, _CDF_CHUNK]
     last = inner[:, -1:]
-    rest = torch.minimum(point - before, torch.nextafter(last, last.new_zeros(())))
+    rest = (point - before) * (last / sums.gather(1, chunk))
+    rest = torch.minimum(rest, torch.nextafter(last, last.new_zeros(())))
     lane = torch.searchsorted(inner, rest, right=True).clamp_(max=_CDF_CHUNK - 1)
-    return (chunk * _CDF_CHUNK + lane)[:, 0].clamp_(max=vocab - 1)
+    ids = (chunk * _CDF_CHUNK + lane)[:, 0].clamp_(max=vocab - 1)
+    return torch.where(total[:, 0] > 0, ids, 0)
 
 
 def sample_from_probs(

@@ -339,6 +339,9 @@ def test_sampled_throughput_runs_every_system_and_sets_no_target(tiny_llama, tmp
     for name, s in payload["results"][0]["systems"].items():
         assert "error" not in s and s["output_tokens"] == 4 * 2, (name, s)
     assert report.targets(payload) == []  # the targets are greedy runs'
+    for bad in (["--temperature", "-1"], ["--latency", "--temperature", "0.8"]):
+        with pytest.raises(ValueError, match="--temperature"):
+            throughput.run(throughput.build_parser().parse_args(args[:-2] + bad))
     text = report.render(tmp_path, tmp_path / "RESULTS.md")
     assert "temperature 0.8 (top-k and top-p off), ignore_eos" in text
 

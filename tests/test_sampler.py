@@ -205,6 +205,29 @@ def test_inverse_cdf_over_many_chunks_follows_the_weights():
     assert inverse_cdf(w.expand(2, vocab), edges).tolist() == [300, 999]
 
 
+def test_inverse_cdf_keeps_rows_apart_and_small_lanes_and_bad_rows_defined():
+    vocab, n = 1100, 3000
+    w = torch.zeros(3, vocab)
+    w[0, 10:20] = 1.0  # chunk 0 only
+    w[1, 900] = 1.0  # chunk 3 only
+    w[2, 1050], w[2, 5] = 2.0, 1.0  # the padded last chunk and chunk 0
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.arange(3).repeat(n)
+    ids = inverse_cdf(w[rows], torch.rand(3 * n, dtype=torch.float64, generator=gen)).view(n, 3)
+    assert ((ids[:, 0] >= 10) & (ids[:, 0] < 20)).all() and (ids[:, 1] == 900).all()
+    assert set(ids[:, 2].tolist()) == {5, 1050}
+    # a lane far below float32's resolution of its chunk's sum still owns its interval
+    tiny = torch.zeros(1, 256)
+    tiny[0, 0], tiny[0, 1] = 0.5, 1e-9
+    top = torch.tensor([1.0 - 1e-12], dtype=torch.float64)
+    assert inverse_cdf(tiny, top).tolist() == [1]
+    # rows with no weight, or a NaN, give 0; no rows, no ids
+    bad = torch.zeros(2, vocab)
+    bad[1, 7] = float("nan")
+    assert inverse_cdf(bad, torch.tensor([0.3, 0.9], dtype=torch.float64)).tolist() == [0, 0]
+    assert inverse_cdf(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.float64)).shape == (0,)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

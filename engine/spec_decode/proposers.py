@@ -204,7 +204,7 @@ def draw_drafts(
     """One draft id per row of a draft model's logits, with q (its distribution processed like
     the target's: penalties, temperature, top-k, top-p, min-p): the argmax for greedy requests,
     else a sample of q. q is None when every row is greedy: a greedy draft's q is one-hot and
-    verification reads none (at batch 1 building it and racing over it cost half a head step).
+    verification reads none (at batch 1 building and sampling it cost half a head step).
     ``rows[i]`` = (the request's params and the tokens the draft follows, the draft's
     position); a seeded request draws from a generator of its own, seeded by (seed, position),
     so its drafts do not depend on the batch; the others share ``generator``.
