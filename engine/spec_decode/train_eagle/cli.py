@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.spec_decode import eagle_format
-from engine.spec_decode.train_eagle import data, features, magpie
+from engine.spec_decode.train_eagle import data, features, losses, magpie
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead
 from engine.spec_decode.train_eagle.prompts import make_prompts
@@ -243,8 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_round: expected tokens per verification at k = len(chain_accept), greedy, "
         "on greedy conversations (offline estimate); chain_stop[tau]: drafts and tokens per "
         "round when a chain stops once the product of its drafts' top-1 probabilities falls "
-        "below tau (min_draft_confidence); timings_seconds: summed over every run in the work "
-        "dir",
+        "below tau (min_draft_confidence); sampled_accept: the first draft's acceptance when "
+        f"sampled at temperature {losses.SAMPLED_TEMPERATURE}, sum_x min(p(x), q(x)) of the "
+        "target's and the head's tempered distributions; timings_seconds: summed over every run "
+        "in the work dir",
         "params": {
             "head": head_params,
             "target_per_token": target_compute,
