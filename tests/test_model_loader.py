@@ -1,5 +1,6 @@
 """Weight loading: HF directories, GGUF files (tiny ones written here), dummy weights, bad input."""
 
+import copy
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ from engine import LLM, SamplingParams
 from engine.default_model import convert_gguf
 from engine.gguf_loader import iter_gguf
 from engine.model_loader import iter_safetensors, load_model, resolve_dtype
-from engine.models.layers import RMSNorm
+from engine.models.layers import RMSNorm, packed_weight
+from engine.models.quant import quantized_weight
 from kernels import cpu_extension
 
 Q = gguf.GGMLQuantizationType
@@ -390,3 +392,21 @@ def test_a_float16_model_never_asks_for_the_cpp_kernels(tmp_path, monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     [out] = llm.generate([[1, 2, 3]], params)
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(not cpu_extension.available(), reason="the C++ CPU kernels cannot be built")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_deep_copy_of_a_packed_model_computes_the_same_tokens(tiny_llama, quantization):
+    """A packed (or quantised) weight's data is a NaN placeholder; its copy must get a pack of
+    its own, not a clone of the placeholder."""
+    llm = LLM(tiny_llama, quantization=quantization, num_kv_blocks=32)
+    runner, params = llm.llm_engine.runner, SamplingParams(temperature=0, max_tokens=12)
+    model = runner.model
+    lm_head = model.lm_head.weight
+    assert (
+        packed_weight(lm_head) if quantization is None else quantized_weight(lm_head)
+    ) is not None
+    expected = llm.generate(["one two three"], params, use_tqdm=False)[0].outputs[0].token_ids
+    runner.model = copy.deepcopy(model)
+    got = llm.generate(["one two three"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected

@@ -6,6 +6,9 @@ or bfloat16 CPU inference tensors when the extension is available, and as the Py
 otherwise (CUDA, other dtypes, autograd); both compute the same values up to float rounding.
 """
 
+import copy
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,6 +110,9 @@ class Linear(nn.Linear):
         self.unpack()
         return super()._apply(fn, recurse)
 
+    def __deepcopy__(self, memo: dict):
+        return _deepcopy_packed(self, memo)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _save_plain(self.weight, destination, prefix + "weight")
@@ -189,6 +195,9 @@ class Embedding(nn.Embedding):
         unpack_weight(self.weight)
         return super()._apply(fn, recurse)
 
+    def __deepcopy__(self, memo: dict):
+        return _deepcopy_packed(self, memo)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _save_plain(self.weight, destination, prefix + "weight")
@@ -240,6 +249,31 @@ def unpacked(pack: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.T
     if pack.dim() == 3:
         return pack.transpose(1, 2).reshape(-1, cols)[:rows]
     return pack.permute(0, 2, 1, 3).reshape(-1, 2 * pack.shape[1])[:rows, :cols].contiguous()
+
+
+def _deepcopy_packed(module: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a Linear or Embedding whose weight may be packed or quantised: the
+    copy's weight gets a placeholder and a copy of the pack of its own. (A pack counts only
+    while its placeholder, by address, is the Parameter's data; ``Parameter.__deepcopy__``
+    clones the data to a new address and drops the pack, so a packed model's copy computed
+    from NaN placeholders.) A tied weight is fixed once, by whichever module copies it first."""
+    weight = module.weight
+    fixed = id(weight) in memo  # copied (and so fixed) already, through a tied module
+    new = module.__class__.__new__(module.__class__)
+    memo[id(module)] = new
+    new.__dict__.update(copy.deepcopy(module.__dict__, memo))
+    pack, quant = packed_weight(weight), quantized_weight(weight)
+    if fixed or (pack is None and quant is None):
+        return new
+    copied = new.weight
+    copied.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
+    if pack is not None:
+        copied.pack = (copy.deepcopy(pack, memo), copied.data_ptr())
+    else:
+        copied.quantized = dataclasses.replace(
+            copy.deepcopy(quant, memo), placeholder=copied.data_ptr()
+        )
+    return new
 
 
 def _save_plain(weight: torch.Tensor, destination: dict, key: str) -> None:
