@@ -181,9 +181,12 @@ def draw_rows(
 _CDF_CHUNK = 256
 
 
-def uniform_draws(m: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """U[0, 1) draws [m], float64 (float32's 2^-24 steps would be coarser than small lanes)."""
-    return torch.rand(m, dtype=torch.float64, device=device, generator=generator)
+def uniform_draws(
+    shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None
+) -> torch.Tensor:
+    """U[0, 1) draws, float64 (float32's 2^-24 steps would be coarser than small lanes and
+    ratios, and can be exactly 0)."""
+    return torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
 
 
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -234,7 +237,7 @@ def sample_from_probs(
         raise ValueError(f"generators has {len(generators)} rows, probs has {probs.shape[0]}")
 
     def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
-        return (uniform_draws(m, probs.device, gen),)
+        return (uniform_draws((m,), probs.device, gen),)
 
     rows = [shared_generator if g is None else g for g in generators]
     (uniforms,) = draw_rows(rows, draw)

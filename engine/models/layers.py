@@ -221,8 +221,13 @@ def pack_weight(weight: nn.Parameter) -> None:
         ext.pack_linear_weight_bf16_ if weight.dtype == torch.bfloat16 else ext.pack_linear_weight_
     )
     pack = packer(weight.detach())
-    weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
+    weight.data = _placeholder(weight)
     weight.pack = (pack, weight.data_ptr())
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A packed weight's data: one NaN of its dtype broadcast to its shape (4 bytes)."""
+    return torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -266,7 +271,7 @@ def _deepcopy_packed(module: nn.Module, memo: dict) -> nn.Module:
     if fixed or (pack is None and quant is None):
         return new
     copied = new.weight
-    copied.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
+    copied.data = _placeholder(weight)
     if pack is not None:
         copied.pack = (copy.deepcopy(pack, memo), copied.data_ptr())
     else:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import draw_rows, inverse_cdf
+from engine.sampler import draw_rows, inverse_cdf, uniform_draws
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
@@ -131,7 +131,7 @@ def _draw(
     """Float64 uniforms [S, K + 1]: K for the ratio tests, then one for the last token."""
 
     def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
-        return (torch.rand(m, k + 1, dtype=torch.float64, device=device, generator=gen),)
+        return (uniform_draws((m, k + 1), device, gen),)
 
     if isinstance(generator, list):
         return draw_rows(generator, draw)[0]
