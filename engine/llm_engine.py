@@ -138,7 +138,9 @@ class LLMEngine:
         ]
         hidden = None
         if self.spec.needs_target_hidden:
-            logits, hidden = self.runner.forward(spans, return_hidden=True)
+            logits, hidden = self.runner.forward(
+                spans, return_hidden=True, hidden_layers=self.spec.hidden_layers
+            )
         else:
             logits = self.runner.forward(spans)
         jobs, owners, row = [], [], 0

@@ -84,9 +84,11 @@ class ModelRunner:
         spans: list[Span],
         return_hidden: bool = False,
         features: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one packed forward; returns float32 logits [sum(num_logits), vocab], and with
-        ``return_hidden`` the final hidden states of every token too. ``features`` (one row per
+        ``return_hidden`` the final hidden states of every token too, after those of the layers
+        in ``hidden_layers`` (``LlamaModel.forward``'s ``capture``). ``features`` (one row per
         token) go to a model that reads them (a draft head), which computes only the rows that
         take logits: its hidden states are those rows'."""
         input_ids: list[int] = []
@@ -137,7 +139,8 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta, features, row_index)
             rows = hidden
         else:
-            hidden = self.model(ids, pos, self.kv_caches, meta)
-            rows = hidden if every_row else hidden[rows_index[0]]
+            hidden = self.model(ids, pos, self.kv_caches, meta, hidden_layers)
+            final = hidden[:, -self.model.config.hidden_size :] if hidden_layers else hidden
+            rows = final if every_row else final[rows_index[0]]
         logits = self.model.compute_logits(rows)
         return (logits, hidden) if return_hidden else logits

@@ -153,10 +153,13 @@ def build_random_llama(
     return str(path)
 
 
-def build_random_eagle_head(path, target: str, draft_vocab_size: int, seed: int = 0) -> str:
-    """A randomly initialised EAGLE head for the HF model at ``target``: its draft vocabulary is
-    the target ids 0, 2, 4, ... then the rest, ``draft_vocab_size`` of them (a real subset, so
-    drafts outside it never occur), weights at a scale that gives peaked but varied drafts."""
+def build_random_eagle_head(
+    path, target: str, draft_vocab_size: int, seed: int = 0, feature_layers: tuple[int, ...] = ()
+) -> str:
+    """A randomly initialised EAGLE head for the HF model at ``target`` (eagle3 with
+    ``feature_layers``): its draft vocabulary is the target ids 0, 2, 4, ... then the rest,
+    ``draft_vocab_size`` of them (a real subset, so drafts outside it never occur), weights at a
+    scale that gives peaked but varied drafts."""
     from transformers import AutoConfig
 
     from engine.spec_decode.eagle_format import (
@@ -167,7 +170,9 @@ def build_random_eagle_head(path, target: str, draft_vocab_size: int, seed: int 
     )
 
     hf = AutoConfig.from_pretrained(target)
-    config = make_config(layer_config_from_hf(hf), draft_vocab_size, hf.vocab_size, target)
+    config = make_config(
+        layer_config_from_hf(hf), draft_vocab_size, hf.vocab_size, target, feature_layers
+    )
     gen = torch.Generator().manual_seed(seed)
     state = {
         name: torch.randn(shape, generator=gen) * (0.3 if len(shape) == 2 else 0.05)

@@ -22,9 +22,19 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def head(tiny_llama, tmp_path_factory) -> str:
-    return build_random_eagle_head(tmp_path_factory.mktemp("eagle_head"), tiny_llama, 300)
+@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
+def head(tiny_llama, tmp_path_factory, request) -> str:
+    """A random head of each architecture; the eagle3 one fuses the target's layer 0 (of 2)."""
+    layers = (0,) if request.param == "eagle3" else ()
+    path = tmp_path_factory.mktemp(request.param)
+    return build_random_eagle_head(path, tiny_llama, 300, feature_layers=layers)
+
+
+def head_features(reference: ReferenceHead, hidden_states: tuple[torch.Tensor, ...]):
+    """The head's features [L, H] of HF's ``output_hidden_states`` of one sequence: the final
+    (post-norm) ones, fused with those after ``feature_layers`` for an eagle3 head."""
+    parts = [hidden_states[i + 1] for i in reference.feature_layers] + [hidden_states[-1]]
+    return reference.target_features(torch.cat(parts, dim=-1)[0])
 
 
 def reference_head(path: str) -> ReferenceHead:
@@ -74,9 +84,8 @@ def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
     with torch.no_grad():
         for tokens, draft in seen:
             ids = torch.tensor([tokens])
-            out = hf(ids, output_hidden_states=True)
-            features = out.hidden_states[-1]  # post-norm
-            h = reference(hf.model.embed_tokens(ids), features)[0][0, -1]
+            features = head_features(reference, hf(ids, output_hidden_states=True).hidden_states)
+            h = reference.unroll(hf.model.embed_tokens(ids), features.unsqueeze(0), 1)[0][0, -1]
             assert draft == int(d2t[reference.lm_head(h).argmax()])
 
 
@@ -93,12 +102,13 @@ def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
     with torch.no_grad():
         for tokens, drafts in seen:
             # features known before this step: positions 0 .. C - 1 (C = len(tokens) - 1)
-            feats = list(hf(torch.tensor([tokens[:-1]]), output_hidden_states=True)
-                         .hidden_states[-1][0])  # fmt: skip
+            out = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+            feats = list(head_features(reference, out.hidden_states))
             seq, expected = list(tokens), []
             for _ in drafts:
                 padded = torch.stack(feats + [torch.zeros_like(feats[0])]).unsqueeze(0)
-                h = reference(hf.model.embed_tokens(torch.tensor([seq])), padded)[0][0, -1]
+                embeds = hf.model.embed_tokens(torch.tensor([seq]))
+                h = reference.unroll(embeds, padded, 1)[0][0, -1]
                 expected.append(int(d2t[reference.lm_head(h).argmax()]))
                 feats.append(h)  # the feature of the drafted position's predecessor
                 seq.append(expected[-1])
@@ -146,3 +156,9 @@ def test_a_head_for_another_model_is_rejected(tiny_llama, head, tmp_path):
                              num_key_value_heads=1)  # fmt: skip
     with pytest.raises(ValueError, match="hidden size"):
         LLM(other, num_kv_blocks=16, speculative_config=eagle(head))
+
+
+def test_a_head_reading_layers_the_target_lacks_is_rejected(tiny_llama, tmp_path):
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300, feature_layers=(0, 2))
+    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 2\]; this model has 2"):
+        LLM(tiny_llama, num_kv_blocks=16, speculative_config=eagle(head))

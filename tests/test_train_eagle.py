@@ -25,9 +25,11 @@ TINY = LlamaConfig(
 )  # fmt: skip
 
 
-def tiny_head(draft_vocab: int = 10, seed: int = 0) -> tuple[dict, dict]:
+def tiny_head(
+    draft_vocab: int = 10, seed: int = 0, feature_layers: tuple[int, ...] = ()
+) -> tuple[dict, dict]:
     layer = eagle_format.layer_config_from_hf(TINY)
-    config = eagle_format.make_config(layer, draft_vocab, TINY.vocab_size, "tiny")
+    config = eagle_format.make_config(layer, draft_vocab, TINY.vocab_size, "tiny", feature_layers)
     torch.manual_seed(seed)
     shapes = eagle_format.expected_shapes(config)
     sd = {k: torch.randn(s) for k, s in shapes.items() if k != "d2t"}
@@ -44,8 +46,12 @@ def test_layer_config_fields():
     assert rebuilt.num_hidden_layers == 1 and rebuilt.rope_parameters["rope_theta"] == 500.0
 
 
-def test_save_load_round_trip(tmp_path):
-    sd, config = tiny_head()
+@pytest.mark.parametrize("layers", [(), (1, 5)], ids=["eagle1", "eagle3"])
+def test_save_load_round_trip(tmp_path, layers):
+    sd, config = tiny_head(feature_layers=layers)
+    assert config["architecture"] == ("eagle3" if layers else "eagle1")
+    assert eagle_format.feature_layers(config) == layers
+    assert ("fuse.weight" in sd) == bool(layers)
     sd = {k: v if k == "d2t" else v.to(torch.bfloat16) for k, v in sd.items()}
     eagle_format.save_head(str(tmp_path), sd, config, {"steps": 3})
     loaded, cfg = eagle_format.load_head(str(tmp_path))
@@ -69,7 +75,9 @@ def test_save_load_round_trip(tmp_path):
         (lambda sd, c: sd.update(d2t=sd["d2t"].int()), "int64"),
         (lambda sd, c: sd["d2t"].__setitem__(-1, 100), "outside"),
         (lambda sd, c: sd.update({"fc.weight": sd["fc.weight"].long()}), "dtype"),
-        (lambda sd, c: c.update(architecture="eagle3"), "architecture"),
+        (lambda sd, c: c.update(architecture="eagle2"), "architecture"),
+        (lambda sd, c: c.update(feature_layers=[1]), "feature_layers is for architecture"),
+        (lambda sd, c: c.update(architecture="eagle3"), "feature_layers must be a non-empty"),
         (lambda sd, c: c.pop("target_vocab_size"), "missing \\['target_vocab_size'\\]"),
         (lambda sd, c: c["layer_config"].pop("rope_theta"), "layer_config is missing"),
         (lambda sd, c: c.update(hidden_size=64), "hidden_size"),
@@ -83,6 +91,22 @@ def test_save_head_rejects(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         eagle_format.save_head(str(tmp_path), sd, config)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("layers", [[], [2, 1], [1, 1], [-1], [True], "1"])
+def test_eagle3_feature_layers_must_be_ascending_indices(tmp_path, layers):
+    sd, config = tiny_head(feature_layers=(1, 2))
+    config["feature_layers"] = layers
+    with pytest.raises(ValueError, match="feature_layers must be a non-empty ascending list"):
+        eagle_format.save_head(str(tmp_path), sd, config)
+
+
+def test_eagle3_head_needs_its_fuse_weight(tmp_path):
+    sd, config = tiny_head(feature_layers=(1, 2))
+    assert sd["fuse.weight"].shape == (32, 3 * 32)
+    sd.pop("fuse.weight")
+    with pytest.raises(ValueError, match="missing \\['fuse.weight'\\]"):
+        eagle_format.save_head(str(tmp_path), sd, config)
 
 
 def test_load_head_errors(tmp_path):
@@ -360,6 +384,16 @@ def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
         )
     with pytest.raises(ValueError, match="exceeds the KV cache"):
         features.sequence_features(runner, [[5] * 97], batch_tokens=80)
+    # an eagle3 head's: layer 0's hidden states (HF's hidden_states[1]), then the final ones
+    fused = features.sequence_features(runner, seqs[:3], batch_tokens=80, layers=(0,))
+    for seq, got, final in zip(seqs, fused, ours, strict=False):
+        with torch.inference_mode():
+            want = hf.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        torch.testing.assert_close(
+            got[:, :64].float(), want.hidden_states[1][0].to(torch.bfloat16).float(),
+            rtol=0.01, atol=1e-3,
+        )  # fmt: skip
+        assert torch.equal(got[:, 64:], final)
 
 
 def test_training_script_end_to_end(tmp_path):
@@ -404,6 +438,39 @@ def test_training_script_end_to_end(tmp_path):
     assert again["eval"] == manifest["eval"]
     train_s = manifest["timings_seconds"]["stage3_train"]["seconds_total"]
     assert again["timings_seconds"]["stage3_train"]["seconds_total"] == train_s  # not twice
+    # an eagle3 head on the same conversations: stage 2 is redone with layer 0's hidden states
+    out3 = tmp_path / "head3"
+    argv3 = [str(out3) if a == str(out) else a for a in argv]
+    fused = cli.main([*argv3, "--feature-layers", "0", "--l1-weight", "0"])
+    sd3, config3 = eagle_format.load_head(str(out3))
+    assert config3["architecture"] == "eagle3" and config3["feature_layers"] == [0]
+    assert sd3["fuse.weight"].shape == (64, 2 * 64)
+    assert fused["data"] == manifest["data"] and fused["training"]["l1_weight"] == 0
+    first, last = fused["training"]["first_logged"], fused["training"]["last_logged"]
+    assert last["loss"] < 0.6 * first["loss"], (first, last)
+    stored = features.load_features(str(work), "answers")[0]["features"]
+    assert stored.shape[1] == 2 * 64
+
+
+def test_an_eagle1_head_starts_an_eagle3_one_where_it_was(tmp_path):
+    """--init-from: an eagle3 head initialised from an eagle1 head computes what that head
+    computes (fuse starts as the final hidden state alone), whatever the other layer holds."""
+    sd, config = tiny_head()
+    eagle_format.save_head(str(tmp_path), sd, config)
+    layer = eagle_format.layer_config_from_hf(TINY)
+    fused = EagleHead(layer, 10, feature_layers=(3,))
+    fused.d2t.copy_(sd["d2t"])
+    cli._init_head(fused, str(tmp_path))
+    plain = EagleHead.from_dir(str(tmp_path))
+    emb, final, other = torch.randn(3, 2, 12, 32).unbind(0)
+    with torch.no_grad():
+        want = plain(emb, final, steps=2)
+        got = fused(emb, torch.cat([other, final], dim=-1), steps=2)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    fused.d2t.add_(1)
+    with pytest.raises(ValueError, match="draft vocabulary is not this run's"):
+        cli._init_head(fused, str(tmp_path))
 
 
 def test_sampled_accept_is_the_overlap_of_the_tempered_distributions():

@@ -1,5 +1,6 @@
-"""An EAGLE-1 draft head as the engine runs it: one paged Llama decoder layer over
-``fc([embed(token_i); feature_{i-1}])``, a reduced-vocabulary LM head and its draft→target id map.
+"""An EAGLE draft head as the engine runs it: one paged Llama decoder layer over
+``fc([embed(token_i); feature_{i-1}])``, a reduced-vocabulary LM head and its draft→target id map;
+an ``eagle3`` head also fuses several of the target's layers into its features (``fuse``).
 
 The file format and the head's definition are ``engine.spec_decode.eagle_format``'s; its KV lives
 in the same block tables as the target's (one layer), so it rolls back with them.
@@ -17,10 +18,19 @@ from engine.models.llama import LlamaDecoderLayer, head_dim_of
 
 
 class EagleHead(nn.Module):
-    def __init__(self, layer_config, draft_vocab_size: int, embed_tokens: nn.Embedding) -> None:
+    def __init__(
+        self,
+        layer_config,
+        draft_vocab_size: int,
+        embed_tokens: nn.Embedding,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         hidden = layer_config.hidden_size
         self.config = layer_config
+        self.feature_layers = feature_layers  # the target layers ``fuse`` reads besides its last
+        n = len(feature_layers)
+        self.fuse = Linear((n + 1) * hidden, hidden, bias=False) if n else None
         self.fc = Linear(2 * hidden, hidden, bias=False)
         self.layer = LlamaDecoderLayer(layer_config)
         self.lm_head = Linear(hidden, draft_vocab_size, bias=False)
@@ -68,6 +78,11 @@ class EagleHead(nn.Module):
         h = x[logit_rows] + attn.o_proj(out.reshape(rows, attn.q_size))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [N, (n + 1) H] (``feature_layers``' then its final ones,
+        ``ModelRunner.forward``'s ``hidden_layers``) -> the features the head reads [N, H]."""
+        return hidden.clone() if self.fuse is None else self.fuse(hidden.to(self.fuse.weight.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """h [N, H] -> float32 logits over the draft vocabulary [N, draft_vocab_size]."""
         return self.lm_head(hidden).float()
@@ -88,5 +103,7 @@ class EagleHead(nn.Module):
         for name in ("input_layernorm", "post_attention_layernorm"):
             getattr(self.layer, name).weight.copy_(state_dict[f"layer.{name}.weight"])
         self.fc.weight.copy_(state_dict["fc.weight"])
+        if self.fuse is not None:
+            self.fuse.weight.copy_(state_dict["fuse.weight"])
         self.lm_head.weight.copy_(state_dict["lm_head.weight"])
         self.d2t.copy_(state_dict["d2t"])

@@ -61,9 +61,11 @@ class LayerStack:
         sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        capture: tuple[int, ...] = (),
+    ) -> list[torch.Tensor] | None:
         """The layers' (h, residual) as the Python loop returns them, h written in place as
-        the loop does; None where the stack does not apply (nothing has run then)."""
+        the loop does, then the hidden state after each layer in ``capture`` (ascending); None
+        where the stack does not apply (nothing has run then)."""
         if torch.is_grad_enabled() or not h.is_cpu or h.dim() != 2:
             return None
         stack = self._current(layers, h.dtype)
@@ -79,9 +81,9 @@ class LayerStack:
         ):
             return None
         args = (write.slot_mapping, plan.block_tables, plan.cu_query_lens, plan.seq_lens)
-        out = stack.forward(h, cos, sin, kv_caches, *args)
+        out = stack.forward(h, cos, sin, kv_caches, *args, list(capture))
         # [] only if a pack went stale since _current (nothing ran): the Python loop, this once
-        return (out[0], out[1]) if out else None
+        return out or None
 
     def _current(self, layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> object | None:
         """The stack for ``dtype`` activations with every pack current: the one built before,

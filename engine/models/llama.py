@@ -175,16 +175,30 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        capture: tuple[int, ...] = (),
     ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; with ``capture`` (ascending layer
+        indices), [T, (len(capture) + 1) * hidden]: the hidden state after each of those layers
+        (the residual stream, before any norm), then the final one."""
+        if capture and (list(capture) != sorted(set(capture)) or capture[0] < 0
+                        or capture[-1] >= len(self.layers)):  # fmt: skip
+            raise ValueError(
+                f"capture must be ascending indices below {len(self.layers)}, got {capture}"
+            )
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
         stack = self.layer_stack
-        if stack is not None and (out := stack.run(self.layers, h, cos, sin, kv_caches, meta)):
-            return self.norm(*out)[0]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
-        return self.norm(h) if residual is None else self.norm(h, residual)[0]
+        out = stack and stack.run(self.layers, h, cos, sin, kv_caches, meta, capture)
+        if out:
+            h, residual, *captured = out
+        else:
+            residual, captured = None, []
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+                if i in capture:
+                    captured.append(h + residual)
+        final = self.norm(h) if residual is None else self.norm(h, residual)[0]
+        return torch.cat([*captured, final], dim=-1) if captured else final
 
 
 class LlamaForCausalLM(nn.Module):
@@ -214,9 +228,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: AttentionMetadata,
+        capture: tuple[int, ...] = (),
     ) -> torch.Tensor:
-        """input_ids/positions int64 [T] -> hidden states [T, hidden] after the final norm."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        """input_ids/positions int64 [T] -> hidden states [T, hidden] after the final norm
+        (with ``capture``, those of some layers before them: ``LlamaModel.forward``)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, capture)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> float32 logits [N, vocab] (under tensor parallelism: on rank 0;

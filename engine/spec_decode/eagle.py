@@ -26,7 +26,7 @@ from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
 from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.eagle_format import llama_config, load_head
+from engine.spec_decode.eagle_format import feature_layers, llama_config, load_head
 from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
 from kernels import cpu_extension
 from scheduler import ScheduledSequence
@@ -46,10 +46,16 @@ def load_eagle_head(
             f"draft_model head is for a target with hidden size {config['hidden_size']} and "
             f"{config['target_vocab_size']} tokens; this model has {hidden} and {vocab}"
         )
+    layers = feature_layers(config)
+    if layers and layers[-1] >= target.config.num_hidden_layers:
+        raise ValueError(
+            f"draft_model head reads the target's layers {list(layers)}; this model has "
+            f"{target.config.num_hidden_layers}"
+        )
     layer_config = llama_config(config["layer_config"])
     embed = target.model.model.embed_tokens
     with default_dtype(dtype), torch.device(device):
-        head = EagleHead(layer_config, config["draft_vocab_size"], embed)
+        head = EagleHead(layer_config, config["draft_vocab_size"], embed, layers)
     head.load_weights({k: v.to(device) for k, v in state_dict.items()})
     head.eval().requires_grad_(False)
     # On the CPU in float32 the head runs int8 (Q8_0) weights: a draft token reads 10 MB of
@@ -76,6 +82,7 @@ class EagleProposer:
     def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0) -> None:
         self.runner = runner
         self.head = runner.model
+        self.hidden_layers = self.head.feature_layers
         self.min_confidence = min_confidence
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._states: dict[int, _State] = {}
@@ -157,7 +164,7 @@ class EagleProposer:
         valid = written[0]
         first = target.first_position  # <= valid - 1: the step computed from there
         keep = target.hidden[valid - 1 - first : target.num_computed - first]
-        self._states[seq_id] = _State(valid, valid - 1, keep.clone())
+        self._states[seq_id] = _State(valid, valid - 1, self.head.target_features(keep))
         return valid
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -1,15 +1,23 @@
-"""The on-disk format of an EAGLE-1 style draft head (the contract between the trainer and the
+"""The on-disk format of an EAGLE-style draft head (the contract between the trainer and the
 engine's proposer).
 
 A head directory holds ``model.safetensors`` (exactly the tensors of ``expected_shapes``),
 ``config.json`` (``architecture``, ``hidden_size``, ``draft_vocab_size``, ``target_vocab_size``,
-``target_model``, ``layer_config``) and optionally ``manifest.json`` (how it was trained).
+``target_model``, ``layer_config``, and for ``eagle3`` ``feature_layers``) and optionally
+``manifest.json`` (how it was trained).
 
 The head, for a target with hidden size H: at position i its input is
 ``fc([embed(token_i); feature_{i-1}])`` (the target's own frozen embedding, not stored here;
-feature_j = the target's final hidden state after its final norm, zeros before position 0),
-then one Llama decoder layer built from ``layer_config``; the layer's output h_i approximates
-feature_i and ``lm_head(h_i)`` gives logits over the draft vocabulary for token i+1.
+zeros before position 0), then one Llama decoder layer built from ``layer_config``;
+``lm_head(h_i)`` of the layer's output gives logits over the draft vocabulary for token i+1,
+and a chain draft feeds h_i as the next position's feature. The target's feature_j is
+
+- ``eagle1``: its final hidden state after its final norm (h_i is trained to approximate it);
+- ``eagle3``: ``fuse([hidden_{l1}; ...; hidden_{ln}; final])``, EAGLE-3's fused features:
+  hidden_l is the hidden state after target layer l (0-based, the residual stream before any
+  norm) for l in ``feature_layers`` (ascending), final as for eagle1. EAGLE-3's own layer
+  also widens attention's input to 2H; this one keeps EAGLE-1's ``fc``.
+
 ``d2t[j]`` is the target id of draft id j (strictly ascending). Dependencies: torch, safetensors,
 json (transformers only inside ``llama_config``).
 """
@@ -23,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-ARCHITECTURE = "eagle1"
+ARCHITECTURES = ("eagle1", "eagle3")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
@@ -74,18 +82,30 @@ def llama_config(layer_config: dict):
 
 
 def make_config(
-    layer_config: dict, draft_vocab_size: int, target_vocab_size: int, target_model: str
+    layer_config: dict,
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    target_model: str,
+    feature_layers: tuple[int, ...] = (),
 ) -> dict:
+    """An ``eagle1`` config, or an ``eagle3`` one with ``feature_layers``."""
     config = {
-        "architecture": ARCHITECTURE,
+        "architecture": "eagle3" if feature_layers else "eagle1",
         "hidden_size": layer_config["hidden_size"],
         "draft_vocab_size": int(draft_vocab_size),
         "target_vocab_size": int(target_vocab_size),
         "target_model": str(target_model),
         "layer_config": dict(layer_config),
     }
+    if feature_layers:
+        config["feature_layers"] = [int(i) for i in feature_layers]
     check_config(config)
     return config
+
+
+def feature_layers(config: dict) -> tuple[int, ...]:
+    """The target layers whose hidden states a checked config's head reads (eagle1: none)."""
+    return tuple(config.get("feature_layers", ()))
 
 
 def _positive_int(value: Any, name: str) -> None:
@@ -100,9 +120,22 @@ def check_config(config: dict) -> None:
     missing = [f for f in CONFIG_FIELDS if f not in config]
     if missing:
         raise ValueError(f"config is missing {missing}")
-    if config["architecture"] != ARCHITECTURE:
+    if config["architecture"] not in ARCHITECTURES:
         raise ValueError(
-            f"config architecture must be {ARCHITECTURE!r}, got {config['architecture']!r}"
+            f"config architecture must be one of {ARCHITECTURES}, got {config['architecture']!r}"
+        )
+    layers = config.get("feature_layers")
+    if config["architecture"] == "eagle1" and layers is not None:
+        raise ValueError("config feature_layers is for architecture 'eagle3' only")
+    if config["architecture"] == "eagle3" and (
+        not isinstance(layers, list)
+        or not layers
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+        or layers != sorted(set(layers))
+    ):
+        raise ValueError(
+            f"config feature_layers must be a non-empty ascending list of layer indices >= 0, "
+            f"got {layers!r}"
         )
     for name in ("hidden_size", "draft_vocab_size", "target_vocab_size"):
         _positive_int(config[name], name)
@@ -150,7 +183,9 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     q = layer["num_attention_heads"] * layer["head_dim"]
     kv = layer["num_key_value_heads"] * layer["head_dim"]
     vd = config["draft_vocab_size"]
+    fused = len(feature_layers(config))
     return {
+        **({"fuse.weight": (h, (fused + 1) * h)} if fused else {}),
         "fc.weight": (h, 2 * h),
         "layer.self_attn.q_proj.weight": (q, h),
         "layer.self_attn.k_proj.weight": (kv, h),
@@ -202,7 +237,8 @@ def save_head(
     check_state_dict(tensors, config)
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, WEIGHTS_FILE)
-    save_file(tensors, weights + ".tmp", metadata={"format": "pt", "architecture": ARCHITECTURE})
+    metadata = {"format": "pt", "architecture": config["architecture"]}
+    save_file(tensors, weights + ".tmp", metadata=metadata)
     os.replace(weights + ".tmp", weights)
     _write_json(os.path.join(path, CONFIG_FILE), config)
     if manifest is not None:

@@ -109,6 +109,10 @@ class SpeculationManager:
     def needs_target_hidden(self) -> bool:
         return self.proposer is not None and self.proposer.needs_target_hidden
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return () if self.proposer is None else self.proposer.hidden_layers
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.proposer is not None:
             self.proposer.copy_blocks(pairs)

@@ -40,13 +40,16 @@ class TargetStep:
     """What the target's forward produced for one sequence, for a proposer that reads it."""
 
     first_position: int  # the position of hidden's first row (the step's span start)
-    hidden: torch.Tensor | None  # [span length, H] final hidden states; None unless asked for
+    # [span length, (len(hidden_layers) + 1) H]: the proposer's hidden_layers' hidden states,
+    # then the final ones; None unless asked for
+    hidden: torch.Tensor | None
     num_computed: int  # the target's computed tokens once the step commits
 
 
 class Proposer(Protocol):
     runs_every_span: bool  # True: propose() must see every step, drafting or not
     needs_target_hidden: bool  # True: commit() needs the target's hidden states
+    hidden_layers: tuple[int, ...]  # the target layers whose hidden states it needs too
 
     def propose(
         self,
@@ -83,6 +86,7 @@ class NgramProposer:
 
     runs_every_span = False
     needs_target_hidden = False
+    hidden_layers = ()
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -132,6 +136,7 @@ class DraftModelProposer:
 
     runs_every_span = True
     needs_target_hidden = False
+    hidden_layers = ()
 
     def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0):
         self.runner = runner

@@ -69,5 +69,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scale"))
       .def("current", &DecoderStack::current, "Whether every pack is still its weight's data")
       .def("forward", &DecoderStack::forward,
-           "The decoder layers on h: [last MLP output, residual], or [] for a stale pack", no_gil);
+           "The decoder layers on h: [last MLP output, residual, captured hidden states...], or "
+           "[] for a stale pack",
+           py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("cu_query_lens"),
+           py::arg("seq_lens"), py::arg("capture") = std::vector<int64_t>{}, no_gil);
 }

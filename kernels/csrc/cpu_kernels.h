@@ -169,11 +169,13 @@ class DecoderStack {
   // h [T, hidden] (the embeddings; written in place, as the Python layers do) -> {the last MLP
   // output, the residual stream}: the Python loop's (h, residual). cos/sin [T, head_dim]; the
   // attention metadata as cpu_attention's plans hold them. Empty when a pack is stale (nothing
-  // has run then: the caller rebuilds the stack or takes the Python path).
+  // has run then: the caller rebuilds the stack or takes the Python path). Then, for each
+  // layer index in `capture` (ascending), the hidden state after that layer (h + residual).
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                  const at::Tensor& cu_query_lens, const at::Tensor& seq_lens) const;
+                                  const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
+                                  const std::vector<int64_t>& capture) const;
 
  private:
   std::vector<StackLayer> layers_;

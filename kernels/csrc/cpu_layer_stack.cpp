@@ -104,14 +104,21 @@ std::vector<at::Tensor> DecoderStack::forward(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens) const {
+    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
+    const std::vector<int64_t>& capture) const {
   TORCH_CHECK_VALUE(kv_caches.size() == layers_.size(), "kv_caches must hold ", layers_.size(),
                     " (k, v) pairs, got ", kv_caches.size());
   TORCH_CHECK_VALUE(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
   if (!current()) return {};
   const int64_t tokens = h.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  for (size_t j = 0; j < capture.size(); ++j) {
+    TORCH_CHECK_VALUE(capture[j] >= 0 && capture[j] < static_cast<int64_t>(layers_.size()),
+                      "capture layer ", capture[j], " is not in [0, ", layers_.size(), ")");
+    TORCH_CHECK_VALUE(j == 0 || capture[j] > capture[j - 1], "capture must be ascending");
+  }
   at::Tensor residual;  // undefined before the first layer, as Python's None
+  std::vector<at::Tensor> captured;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const StackLayer& layer = layers_[i];
     if (!residual.defined()) {
@@ -143,6 +150,11 @@ std::vector<at::Tensor> DecoderStack::forward(
     add_norm(h, residual, layer.post_norm, layer.post_eps);
     // LlamaMLP: down_proj(swiglu(gate_up_proj, h)).
     h = layer.down(layer.fused_mlp ? layer.gate_up.silu_mul(h) : silu_and_mul(layer.gate_up(h)));
+    for (const int64_t c : capture) {
+      if (c == static_cast<int64_t>(i)) captured.push_back(h + residual);
+    }
   }
-  return {h, residual};
+  std::vector<at::Tensor> out = {h, residual};
+  out.insert(out.end(), captured.begin(), captured.end());
+  return out;
 }

@@ -54,10 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
     p.add_argument("--batch-size", type=int, default=8, help="conversations per step")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument(
+        "--feature-layers",
+        type=_layer_list,
+        default=(),
+        help="target layers (0-based, comma-separated) whose hidden states the head fuses with "
+        "the final one (an eagle3 head; EAGLE-3 takes a low, a middle and a high layer); "
+        "unset: an eagle1 head on the final hidden state",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="a head directory to start from (same target and draft vocabulary; an eagle1 "
+        "head into an eagle3 one starts with fuse reading the final hidden state alone)",
+    )
     p.add_argument("--ttt-steps", type=int, default=2, help="unrolled steps (1 = plain EAGLE-1)")
     p.add_argument("--noise", type=float, default=0.2, help="uniform noise width on features")
     p.add_argument("--soft-ce", action="store_true", help="CE on the target's distribution")
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of CE against SmoothL1")
+    p.add_argument(
+        "--l1-weight",
+        type=float,
+        default=1.0,
+        help="weight of SmoothL1(h, final hidden state) (EAGLE-3 drops it: 0)",
+    )
     p.add_argument(
         "--autocast",
         choices=("auto", "bfloat16", "none"),
@@ -78,6 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    layers = tuple(int(x) for x in text.split(",") if x.strip())
+    if any(i < 0 for i in layers) or list(layers) != sorted(set(layers)):
+        raise argparse.ArgumentTypeError(f"must be ascending layer indices >= 0, got {text!r}")
+    return layers
+
+
+def _init_head(head: EagleHead, path: str) -> None:
+    """``head`` (its d2t already chosen) starts from the head at ``path``."""
+    state_dict, config = eagle_format.load_head(path)
+    if not torch.equal(state_dict["d2t"], head.d2t):
+        raise ValueError(f"--init-from {path}: its draft vocabulary is not this run's")
+    if eagle_format.feature_layers(config) not in ((), head.feature_layers):
+        raise ValueError(f"--init-from {path}: it reads other target layers than this head")
+    missing, _ = head.load_state_dict(
+        {k: v.float() if k != "d2t" else v for k, v in state_dict.items()}, strict=False
+    )
+    if set(missing) - {"fuse.weight"}:
+        raise ValueError(f"--init-from {path}: missing {sorted(missing)}")
 
 
 def _check_meta(work_dir: str, meta: dict) -> None:
@@ -165,10 +206,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     runner = functools.cache(lambda: features.target_runner(
         model_path, 2 * args.feature_batch_tokens))  # fmt: skip
+    layers = args.feature_layers
     features.compute_features(runner, work, "answers", args.feature_batch_tokens,
-                              functools.partial(_timings, work, "stage2_features"))  # fmt: skip
+                              functools.partial(_timings, work, "stage2_features"),
+                              layers)  # fmt: skip
     if chat:
-        features.compute_features(runner, work, "heldout_chat", args.feature_batch_tokens)
+        features.compute_features(runner, work, "heldout_chat", args.feature_batch_tokens,
+                                  layers=layers)  # fmt: skip
     runner.cache_clear()
     target = features.load_target(model_path)
     embed = target.get_input_embeddings().weight.detach().float()
@@ -183,14 +227,19 @@ def main(argv: list[str] | None = None) -> dict:
     d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
     t2d = target_to_draft(d2t, vocab)
     layer_config = eagle_format.layer_config_from_hf(hf_config)
-    head = EagleHead(layer_config, args.draft_vocab_size)
+    if layers and layers[-1] >= hf_config.num_hidden_layers:
+        raise ValueError(f"--feature-layers: the target has {hf_config.num_hidden_layers} layers")
+    head = EagleHead(layer_config, args.draft_vocab_size, layers)
     with torch.no_grad():
         head.d2t.copy_(d2t)
         head.lm_head.weight.copy_(lm_rows[d2t])
+    if args.init_from:
+        _init_head(head, args.init_from)
     steps = args.steps or max(1, math.ceil(args.epochs * math.ceil(len(train) / args.batch_size)))
     cfg = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr,
                       ttt_steps=args.ttt_steps, noise=args.noise, soft_ce=args.soft_ce,
-                      ce_weight=args.ce_weight, bf16_autocast=_bf16_autocast(args.autocast),
+                      ce_weight=args.ce_weight, l1_weight=args.l1_weight,
+                      bf16_autocast=_bf16_autocast(args.autocast),
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
                       warmup=min(50, max(1, steps // 10)))  # fmt: skip
     state = train_head(head, train, embed, t2d, lm_rows[d2t], cfg, work)
@@ -207,7 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     dtype = getattr(torch, args.dtype)
     state_dict = {k: (v if k == "d2t" else v.to(dtype)) for k, v in head.state_dict().items()}
-    config = eagle_format.make_config(layer_config, args.draft_vocab_size, vocab, target_name)
+    config = eagle_format.make_config(
+        layer_config, args.draft_vocab_size, vocab, target_name, layers
+    )
     head_params = sum(v.numel() for k, v in state_dict.items() if k != "d2t")
     history = state["history"]
     answer_tokens = sum(len(c["tokens"]) - c["prompt_len"] for c in convs)

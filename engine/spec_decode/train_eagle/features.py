@@ -2,7 +2,8 @@
 packed CPU kernels and paged attention that compute the features the head is fed when serving)
 runs over each whole conversation (prompt + answer), one packed prefill of many conversations at
 a time, and keeps the final hidden state after the final norm (what the target feeds its LM
-head), stored as bfloat16. One feature file per answer chunk
+head), after the hidden states of the ``feature_layers`` a fused-feature head reads (none for
+EAGLE-1), stored as bfloat16. One feature file per answer chunk
 (``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped. HF
 transformers computes the same features (``tests/test_train_eagle.py`` checks it), ~1.3x slower
 on the 2-core dev CPU (192 against 243 tokens/s on the same 48 conversations, one thread)."""
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -50,10 +52,13 @@ def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
     return os.path.join(work_dir, "features", f"{name}_{stem}.safetensors")
 
 
-def sequence_features(runner, sequences: list[list[int]], batch_tokens: int) -> list[torch.Tensor]:
-    """Post-norm final hidden states [len, H] (bfloat16) of each sequence: sequences sorted by
-    length go through ``runner`` (``target_runner``) in packed prefills of at most
-    ``batch_tokens`` tokens (and at most the runner's KV cache), each sequence its own span."""
+def sequence_features(
+    runner, sequences: list[list[int]], batch_tokens: int, layers: tuple[int, ...] = ()
+) -> list[torch.Tensor]:
+    """Features [len, (len(layers) + 1) * H] (bfloat16) of each sequence: the hidden states after
+    ``layers``, then the post-norm final one. Sequences sorted by length go through ``runner``
+    (``target_runner``) in packed prefills of at most ``batch_tokens`` tokens (and at most the
+    runner's KV cache), each sequence its own span."""
     from engine.model_runner import Span
 
     block_size, capacity = runner.block_size, runner.kv_caches[0][0].shape[0]
@@ -73,7 +78,7 @@ def sequence_features(runner, sequences: list[list[int]], batch_tokens: int) -> 
                 )
             spans.append(Span(seq, 0, 1, range(blocks, blocks + need)))
             tokens, blocks = tokens + len(seq), blocks + need
-        _, hidden = runner.forward(spans, return_hidden=True)
+        _, hidden = runner.forward(spans, return_hidden=True, hidden_layers=layers)
         parts = hidden.split([len(span.token_ids) for span in spans])
         for i, part in zip(order[start : start + len(spans)], parts, strict=True):
             out[i] = part.to(torch.bfloat16)
@@ -87,13 +92,15 @@ def compute_features(
     name: str,
     batch_tokens: int = 4096,
     on_chunk: Callable[[dict], object] | None = None,
+    layers: tuple[int, ...] = (),
 ) -> None:
-    """Features for every chunk of ``<work_dir>/<name>/``; ``runner_factory()`` (a
-    ``target_runner``) is called only if some chunk lacks its file. ``on_chunk`` gets each
-    written file's seconds and tokens."""
+    """Features (``sequence_features``) for every chunk of ``<work_dir>/<name>/``;
+    ``runner_factory()`` (a ``target_runner``) is called only if some chunk lacks its file (or
+    has one made for other ``layers``). ``on_chunk`` gets each written file's seconds and
+    tokens."""
     folder = os.path.join(work_dir, name)
     chunks = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
-    todo = [c for c in chunks if not os.path.isfile(feature_path(work_dir, name, c))]
+    todo = [c for c in chunks if not _has_features(feature_path(work_dir, name, c), layers)]
     if not todo:
         return
     runner = runner_factory()
@@ -104,7 +111,7 @@ def compute_features(
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
-        feats = sequence_features(runner, seqs, batch_tokens)
+        feats = sequence_features(runner, seqs, batch_tokens, layers)
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         tensors = {
             "features": torch.cat(feats),
@@ -112,6 +119,7 @@ def compute_features(
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             "prompt_lens": torch.tensor([len(r["prompt_ids"]) for r in records]),
             "temperatures": torch.tensor([float(r["temperature"]) for r in records]),
+            "feature_layers": torch.tensor(layers, dtype=torch.long),
         }
         path = feature_path(work_dir, name, chunk)
         save_file(tensors, path + ".tmp")
@@ -125,8 +133,20 @@ def compute_features(
         bar.set_postfix(tok_s=f"{done / (now - start):.0f}")
 
 
+def _has_features(path: str, layers: tuple[int, ...]) -> bool:
+    """Whether ``path`` exists with the features of ``layers`` (a file without the
+    ``feature_layers`` entry predates fused features: it holds the final hidden states only)."""
+    if not os.path.isfile(path):
+        return False
+    with safe_open(path, "pt") as f:
+        keys = f.keys()
+        made = f.get_tensor("feature_layers").tolist() if "feature_layers" in keys else []
+    return made == list(layers)
+
+
 def load_features(work_dir: str, name: str) -> list[dict]:
-    """One dict per conversation: tokens [L] long, features [L, H] bf16, prompt_len, temperature."""
+    """One dict per conversation: tokens [L] long, features [L, (n + 1) * H] bf16 (the final
+    hidden state last), prompt_len, temperature."""
     folder = os.path.join(work_dir, "features")
     files = sorted(f for f in os.listdir(folder) if f.startswith(f"{name}_chunk_"))
     out = []

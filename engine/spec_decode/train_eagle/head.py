@@ -1,8 +1,9 @@
-"""The EAGLE-1 head as a trainable module (``fc``, one HF ``LlamaDecoderLayer``, ``lm_head``,
-``d2t``), with an unrolled forward for training-time test.
+"""The EAGLE head as a trainable module (``fc``, one HF ``LlamaDecoderLayer``, ``lm_head``,
+``d2t``, and for ``eagle3`` heads ``fuse``), with an unrolled forward for training-time test.
 
 Step 0 is the head as the engine runs it on target features: at position i the input is
-``fc([embed(token_i); feature_{i-1}])`` with causal attention. Step s > 0 feeds the head's own
+``fc([embed(token_i); feature_{i-1}])`` with causal attention (an eagle3 head's feature is
+``fuse`` of the target's stored hidden states). Step s > 0 feeds the head's own
 previous output instead: input ``fc([embed(token_i); h^{(s-1)}_{i-1}])``, and position i attends
 to what a chain draft would see at inference: step-0 keys at positions <= i - s (computed from
 real features) and the step-t key at position i - s + t for t = 1..s. Its output is trained on the
@@ -20,15 +21,24 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from engine.spec_decode.eagle_format import llama_config, load_head
+from engine.spec_decode.eagle_format import feature_layers, llama_config, load_head
 
 
 class EagleHead(nn.Module):
-    def __init__(self, layer_config: dict, draft_vocab_size: int) -> None:
+    def __init__(
+        self, layer_config: dict, draft_vocab_size: int, feature_layers: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         cfg = llama_config(layer_config)
         cfg._attn_implementation = "sdpa"
         hidden = cfg.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        self.fuse = None
+        if feature_layers:  # starts as the final hidden state alone (EAGLE-1's feature)
+            self.fuse = nn.Linear((len(feature_layers) + 1) * hidden, hidden, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -hidden:] = torch.eye(hidden)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = LlamaDecoderLayer(cfg, layer_idx=0)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
@@ -47,20 +57,27 @@ class EagleHead(nn.Module):
         """A saved head (``eagle_format.load_head``) in float32, in eval mode: a reference
         implementation to check an inference module against."""
         state_dict, config = load_head(path)
-        head = cls(config["layer_config"], config["draft_vocab_size"])
+        head = cls(config["layer_config"], config["draft_vocab_size"], feature_layers(config))
         head.load_state_dict({k: v if k == "d2t" else v.float() for k, v in state_dict.items()})
         return head.eval()
 
     def forward(
         self, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1, noise: float = 0.0
     ) -> list[torch.Tensor]:
-        """embeds, features: [B, L, H] (embedding of token i and the target's feature i at
-        position i). Returns ``steps`` outputs h^{(s)} [B, L, H]; h^{(s)}_i approximates
-        feature_i and ``lm_head`` of it predicts token i+1."""
-        _, length, _ = embeds.shape
-        prev = features
+        """embeds [B, L, H], features [B, L, (n + 1) H]: the embedding of token i and the
+        target's stored hidden states at i (``feature_layers``' then the final one). Returns
+        ``steps`` outputs h^{(s)} [B, L, H]; ``lm_head`` of h^{(s)}_i predicts token i+1."""
         if noise > 0:
-            prev = prev + (torch.rand_like(prev) - 0.5) * noise
+            features = features + (torch.rand_like(features) - 0.5) * noise
+        return self.unroll(embeds, self.target_features(features), steps)
+
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's stored hidden states [..., (n + 1) H] -> the head's features [..., H]."""
+        return features if self.fuse is None else self.fuse(features)
+
+    def unroll(self, embeds: torch.Tensor, prev: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """``forward`` on the head's features [B, L, H] (``target_features``)."""
+        _, length, _ = embeds.shape
         positions = torch.arange(length, device=embeds.device).unsqueeze(0)
         cos, sin = self.rotary(embeds, positions)
         keys: list[torch.Tensor] = []

@@ -8,20 +8,28 @@ import torch.nn.functional as F
 from engine.spec_decode.train_eagle.batches import IGNORE
 
 
+def final_features(batch: dict) -> torch.Tensor:
+    """The target's final hidden states [B, L, H] (the last H of the stored features)."""
+    return batch["features"][..., -batch["embeds"].shape[-1] :]
+
+
 def head_loss(head, batch: dict, steps: int, noise: float, ce_weight: float, decay: float,
-              soft_from: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
-    """Sum over unrolled steps s of decay^s * (SmoothL1(h, feature) + ce_weight * CE).
+              soft_from: torch.Tensor | None = None,
+              l1_weight: float = 1.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """Sum over unrolled steps s of decay^s * (l1_weight * SmoothL1(h, final feature)
+    + ce_weight * CE).
 
     CE is against the next token's draft id (positions whose next token is outside the draft
     vocabulary are ignored), or, with ``soft_from`` (the target's LM-head rows of the draft
     vocabulary), against the target's own distribution over the draft vocabulary."""
     outs = head(batch["embeds"], batch["features"], steps=steps, noise=noise)
     positions = torch.arange(batch["mask"].shape[1])
+    final = final_features(batch)
     total = torch.zeros(())
     metrics = {}
     for s, h in enumerate(outs):
         m = batch["mask"] & (positions >= s)
-        target = batch["features"][m]
+        target = final[m]
         reg = F.smooth_l1_loss(h[m], target)
         logits = head.lm_head(h[m])
         labels = batch["labels"][m]
@@ -30,7 +38,7 @@ def head_loss(head, batch: dict, steps: int, noise: float, ce_weight: float, dec
         else:
             p = torch.softmax(target @ soft_from.T, dim=-1)
             ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        total = total + decay**s * (reg + ce_weight * ce)
+        total = total + decay**s * (l1_weight * reg + ce_weight * ce)
         known = labels != IGNORE
         acc = (logits.argmax(-1)[known] == labels[known]).float().mean()
         metrics |= {f"l1_{s}": reg.item(), f"ce_{s}": ce.item(), f"acc_{s}": acc.item()}
@@ -70,7 +78,7 @@ def evaluate(head, batches: list[dict], target_head: torch.Tensor, steps: int) -
     d2t = head.d2t
     for batch in batches:
         outs = head(batch["embeds"], batch["features"], steps=steps)
-        mask, feats = batch["mask"], batch["features"]
+        mask, feats = batch["mask"], final_features(batch)
         n = int(mask.sum())
         h0 = outs[0][mask]
         add("smooth_l1", F.smooth_l1_loss(h0, feats[mask], reduction="mean") * n, n)

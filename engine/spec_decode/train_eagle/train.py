@@ -28,6 +28,7 @@ class TrainConfig:
     ttt_decay: float = 0.8
     noise: float = 0.2
     ce_weight: float = 0.1
+    l1_weight: float = 1.0
     soft_ce: bool = False
     bf16_autocast: bool = False  # matmuls in bfloat16, weights and optimizer state in float32
     max_len: int = 512
@@ -84,7 +85,7 @@ def train_head(head, train: list[dict], embed: torch.Tensor, t2d: torch.Tensor,
         batch = make_batch([train[i] for i in order], embed, t2d, cfg.max_len)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             loss, metrics = head_loss(head, batch, cfg.ttt_steps, cfg.noise, cfg.ce_weight,
-                                      cfg.ttt_decay, soft)  # fmt: skip
+                                      cfg.ttt_decay, soft, cfg.l1_weight)  # fmt: skip
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
