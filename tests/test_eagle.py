@@ -159,6 +159,6 @@ def test_a_head_for_another_model_is_rejected(tiny_llama, head, tmp_path):
 
 
 def test_a_head_reading_layers_the_target_lacks_is_rejected(tiny_llama, tmp_path):
-    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300, feature_layers=(0, 2))
-    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 2\]; this model has 2"):
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300, feature_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 1\]; this model has 2"):
         LLM(tiny_llama, num_kv_blocks=16, speculative_config=eagle(head))

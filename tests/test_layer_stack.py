@@ -154,7 +154,9 @@ def test_engine_greedy_is_the_same_with_the_stack_on_and_off(precision, tiny_lla
     assert generate(False) == with_stack
 
 
-def runner_hidden(model, tokens: list[int], capture: tuple[int, ...]) -> torch.Tensor:
+def runner_hidden(
+    model, tokens: list[int], capture: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Every token's hidden states from one ModelRunner prefill over a fresh paged KV cache."""
     from engine.model_loader import model_kv_shape
     from engine.model_runner import ModelRunner, Span
@@ -162,36 +164,39 @@ def runner_hidden(model, tokens: list[int], capture: tuple[int, ...]) -> torch.T
 
     blocks = -(-len(tokens) // 4)
     caches = allocate_kv_caches(
-        *model_kv_shape(model.config), blocks, 4, torch.float32, torch.device("cpu")
+        *model_kv_shape(model.config), blocks, 4, dtype, torch.device("cpu")
     )
     runner = ModelRunner(model, caches, "cpu", torch.device("cpu"))
     span = Span(tokens, 0, 1, list(reversed(range(blocks))))
     return runner.forward([span], return_hidden=True, hidden_layers=capture)[1]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("capture", [(1,), (0, 1)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_captured_layers_are_the_python_loops_bits_and_hfs_hidden_states(
-    precision, tmp_path, stack_calls
+    precision, capture, tmp_path, stack_calls
 ):
-    """The hidden state after layers 0 and 1 of 3 (what a fused-feature EAGLE head reads),
-    then the final one: the stack's bits equal the Python loop's, the final part equals a run
+    """The hidden states after some of 3 layers (what a fused-feature EAGLE head reads), then
+    the final one: the stack's bits equal the Python loop's, the final part equals a run
     without capture, and in float32 every part matches HF's ``output_hidden_states``."""
     hf = save_tiny(CONFIGS["llama"](), tmp_path)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     tokens = torch.randint(100, (13,), generator=torch.Generator().manual_seed(0)).tolist()
-    fast = runner_hidden(load(tmp_path, precision), tokens, (0, 1))
+    fast = runner_hidden(load(tmp_path, precision), tokens, capture, dtype)
     assert stack_calls and all(stack_calls)
     hidden = hf.config.hidden_size
-    assert fast.shape == (len(tokens), 3 * hidden)
-    plain = runner_hidden(load(tmp_path, precision), tokens, ())
+    assert fast.shape == (len(tokens), (len(capture) + 1) * hidden)
+    plain = runner_hidden(load(tmp_path, precision), tokens, (), dtype)
     assert torch.equal(fast[:, -hidden:], plain)
     stack_calls.clear()
-    slow = runner_hidden(python_loop(load(tmp_path, precision)), tokens, (0, 1))
+    slow = runner_hidden(python_loop(load(tmp_path, precision)), tokens, capture, dtype)
     assert not stack_calls
     assert torch.equal(fast, slow)
     if precision == "fp32":
         with torch.no_grad():
             ref = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        for part, want in zip(fast.split(hidden, dim=-1), (ref[1], ref[2], ref[3]), strict=True):
+        wanted = [ref[i + 1] for i in capture] + [ref[-1]]
+        for part, want in zip(fast.split(hidden, dim=-1), wanted, strict=True):
             assert (part - want[0]).abs().max() / want[0].abs().max() < 1e-4
 
 

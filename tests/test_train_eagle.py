@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import build_tiny_llama
+from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -386,7 +387,7 @@ def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
         features.sequence_features(runner, [[5] * 97], batch_tokens=80)
     # an eagle3 head's: layer 0's hidden states (HF's hidden_states[1]), then the final ones
     fused = features.sequence_features(runner, seqs[:3], batch_tokens=80, layers=(0,))
-    for seq, got, final in zip(seqs, fused, ours, strict=False):
+    for seq, got, final in zip(seqs[:3], fused, ours[:3], strict=True):
         with torch.inference_mode():
             want = hf.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
         torch.testing.assert_close(
@@ -441,15 +442,38 @@ def test_training_script_end_to_end(tmp_path):
     # an eagle3 head on the same conversations: stage 2 is redone with layer 0's hidden states
     out3 = tmp_path / "head3"
     argv3 = [str(out3) if a == str(out) else a for a in argv]
-    fused = cli.main([*argv3, "--feature-layers", "0", "--l1-weight", "0"])
+    fused = cli.main([*argv3, "--feature-layers", "0"])
     sd3, config3 = eagle_format.load_head(str(out3))
     assert config3["architecture"] == "eagle3" and config3["feature_layers"] == [0]
     assert sd3["fuse.weight"].shape == (64, 2 * 64)
-    assert fused["data"] == manifest["data"] and fused["training"]["l1_weight"] == 0
+    assert fused["data"] == manifest["data"]
+    assert fused["training"]["l1_weight"] == 0 and fused["training"]["feature_layers"] == (0,)
     first, last = fused["training"]["first_logged"], fused["training"]["last_logged"]
     assert last["loss"] < 0.6 * first["loss"], (first, last)
     stored = features.load_features(str(work), "answers")[0]["features"]
     assert stored.shape[1] == 2 * 64
+
+
+def test_feature_layers_are_checked_before_any_stage(tmp_path):
+    model = build_tiny_llama(tmp_path / "model")  # 2 layers: only layer 0 may be fused
+    argv = ["--model", model, "--out", str(tmp_path / "h"), "--work-dir", str(tmp_path / "w"),
+            "--feature-layers", "1"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--feature-layers must be below 1 .*got \[1\]"):
+        cli.main(argv)
+    assert not (tmp_path / "w").exists()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([*argv[:6], "--feature-layers", "1,0"])
+
+
+def test_feature_files_made_for_other_layers_are_redone(tmp_path):
+    """A file without ``feature_layers`` predates fused features: eagle1's, not eagle3's."""
+    path = str(tmp_path / "f.safetensors")
+    assert not features._has_features(path, ())
+    save_file({"features": torch.zeros(2, 4)}, path)
+    assert features._has_features(path, ()) and not features._has_features(path, (0,))
+    save_file({"features": torch.zeros(2, 8), "feature_layers": torch.tensor([0])}, path)
+    assert features._has_features(path, (0,)) and not features._has_features(path, ())
+    assert not features._has_features(path, (1,))
 
 
 def test_an_eagle1_head_starts_an_eagle3_one_where_it_was(tmp_path):
@@ -468,6 +492,13 @@ def test_an_eagle1_head_starts_an_eagle3_one_where_it_was(tmp_path):
         got = fused(emb, torch.cat([other, final], dim=-1), steps=2)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+    other = EagleHead(layer, 10, feature_layers=(2,))
+    other.d2t.copy_(sd["d2t"])
+    eagle_format.save_head(str(tmp_path / "fused"), {
+        k: v for k, v in fused.state_dict().items()
+    }, eagle_format.make_config(layer, 10, TINY.vocab_size, "tiny", (3,)))  # fmt: skip
+    with pytest.raises(ValueError, match="reads other target layers"):
+        cli._init_head(other, str(tmp_path / "fused"))
     fused.d2t.add_(1)
     with pytest.raises(ValueError, match="draft vocabulary is not this run's"):
         cli._init_head(fused, str(tmp_path))

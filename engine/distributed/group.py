@@ -163,8 +163,9 @@ class DistributedRunner:
         spans: list[Span],
         return_hidden: bool = False,
         features: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        args = (spans, return_hidden, features)
+        args = (spans, return_hidden, features, hidden_layers)
         return self.group.call(self.index, "forward", args, self.runner.forward)
 
 

@@ -188,7 +188,9 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
         stack = self.layer_stack
-        out = stack and stack.run(self.layers, h, cos, sin, kv_caches, meta, capture)
+        out = (
+            None if stack is None else stack.run(self.layers, h, cos, sin, kv_caches, meta, capture)
+        )
         if out:
             h, residual, *captured = out
         else:

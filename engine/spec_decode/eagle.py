@@ -47,10 +47,10 @@ def load_eagle_head(
             f"{config['target_vocab_size']} tokens; this model has {hidden} and {vocab}"
         )
     layers = feature_layers(config)
-    if layers and layers[-1] >= target.config.num_hidden_layers:
+    if layers and layers[-1] >= target.config.num_hidden_layers - 1:
         raise ValueError(
             f"draft_model head reads the target's layers {list(layers)}; this model has "
-            f"{target.config.num_hidden_layers}"
+            f"{target.config.num_hidden_layers} (a head may read all but the last)"
         )
     layer_config = llama_config(config["layer_config"])
     embed = target.model.model.embed_tokens

@@ -15,7 +15,8 @@ and a chain draft feeds h_i as the next position's feature. The target's feature
 - ``eagle1``: its final hidden state after its final norm (h_i is trained to approximate it);
 - ``eagle3``: ``fuse([hidden_{l1}; ...; hidden_{ln}; final])``, EAGLE-3's fused features:
   hidden_l is the hidden state after target layer l (0-based, the residual stream before any
-  norm) for l in ``feature_layers`` (ascending), final as for eagle1. EAGLE-3's own layer
+  norm; HF's ``hidden_states[l + 1]``) for l in ``feature_layers`` (ascending, all before the
+  target's last layer), final as for eagle1. EAGLE-3's own layer
   also widens attention's input to 2H; this one keeps EAGLE-1's ``fc``.
 
 ``d2t[j]`` is the target id of draft id j (strictly ascending). Dependencies: torch, safetensors,

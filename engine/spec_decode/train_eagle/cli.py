@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--l1-weight",
         type=float,
-        default=1.0,
-        help="weight of SmoothL1(h, final hidden state) (EAGLE-3 drops it: 0)",
+        default=None,
+        help="weight of SmoothL1(h, final hidden state); default 1 for eagle1, 0 for eagle3 "
+        "(EAGLE-3 drops it: a chain feeds h where the fused feature went)",
     )
     p.add_argument(
         "--autocast",
@@ -105,6 +106,19 @@ def _layer_list(text: str) -> tuple[int, ...]:
     if any(i < 0 for i in layers) or list(layers) != sorted(set(layers)):
         raise argparse.ArgumentTypeError(f"must be ascending layer indices >= 0, got {text!r}")
     return layers
+
+
+def _check_feature_layers(model_path: str, layers: tuple[int, ...]) -> None:
+    """Before any stage runs: a fused layer must lie before the target's last one (whose hidden
+    state the final one already is, up to its norm)."""
+    from transformers import AutoConfig
+
+    num_layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
+    if layers and layers[-1] >= num_layers - 1:
+        raise ValueError(
+            f"--feature-layers must be below {num_layers - 1} (the target's last layer), "
+            f"got {list(layers)}"
+        )
 
 
 def _init_head(head: EagleHead, path: str) -> None:
@@ -172,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_path, target_name = default_model_dir(), DEFAULT_TARGET_NAME
     else:
         model_path, target_name = args.model, os.path.basename(os.path.normpath(args.model))
+    _check_feature_layers(model_path, args.feature_layers)
     work = args.work_dir
     meta = {
         "target_model": target_name,
@@ -227,8 +242,6 @@ def main(argv: list[str] | None = None) -> dict:
     d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
     t2d = target_to_draft(d2t, vocab)
     layer_config = eagle_format.layer_config_from_hf(hf_config)
-    if layers and layers[-1] >= hf_config.num_hidden_layers:
-        raise ValueError(f"--feature-layers: the target has {hf_config.num_hidden_layers} layers")
     head = EagleHead(layer_config, args.draft_vocab_size, layers)
     with torch.no_grad():
         head.d2t.copy_(d2t)
@@ -238,7 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or max(1, math.ceil(args.epochs * math.ceil(len(train) / args.batch_size)))
     cfg = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr,
                       ttt_steps=args.ttt_steps, noise=args.noise, soft_ce=args.soft_ce,
-                      ce_weight=args.ce_weight, l1_weight=args.l1_weight,
+                      ce_weight=args.ce_weight,
+                      l1_weight=(0.0 if layers else 1.0) if args.l1_weight is None
+                      else args.l1_weight, feature_layers=layers, init_from=args.init_from,
                       bf16_autocast=_bf16_autocast(args.autocast),
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
                       warmup=min(50, max(1, steps // 10)))  # fmt: skip

@@ -29,6 +29,8 @@ class TrainConfig:
     noise: float = 0.2
     ce_weight: float = 0.1
     l1_weight: float = 1.0
+    feature_layers: tuple[int, ...] = ()  # an eagle3 head's (the head is built with them)
+    init_from: str | None = None  # the head it started from (applied before training)
     soft_ce: bool = False
     bf16_autocast: bool = False  # matmuls in bfloat16, weights and optimizer state in float32
     max_len: int = 512
