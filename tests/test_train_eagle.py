@@ -452,6 +452,12 @@ def test_training_script_end_to_end(tmp_path):
     assert last["loss"] < 0.6 * first["loss"], (first, last)
     stored = features.load_features(str(work), "answers")[0]["features"]
     assert stored.shape[1] == 2 * 64
+    # started from the eagle1 head: its manifest is kept as the new head's lineage
+    out4 = tmp_path / "head4"
+    argv4 = [str(out4) if a == str(out) else a for a in argv]
+    warm = cli.main([*argv4, "--feature-layers", "0", "--init-from", str(out), "--steps", "5"])
+    assert warm["training"]["init_from"] == str(out) and warm["training"]["steps"] == 5
+    assert warm["init_from_manifest"] == json.loads((out / "manifest.json").read_text())
 
 
 def test_feature_layers_are_checked_before_any_stage(tmp_path):

@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
         "timings_seconds": _timings(work, "eval", {"seconds": eval_seconds})
         | {"this_run_total": time.perf_counter() - t_start},
     }
+    if args.init_from:  # the lineage: how the head it started from was made
+        manifest["init_from_manifest"] = eagle_format.load_manifest(args.init_from)
     eagle_format.save_head(args.out, state_dict, config, manifest)
     print(json.dumps({"out": args.out, "eval": evals, "params": manifest["params"]}, indent=1))
     return manifest
