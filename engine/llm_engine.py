@@ -141,6 +141,7 @@ class LLMEngine:
             logits, hidden = self.runner.forward(
                 spans, return_hidden=True, hidden_layers=self.spec.hidden_layers
             )
+            hidden = self.spec.target_features(hidden)
         else:
             logits = self.runner.forward(spans)
         jobs, owners, row = [], [], 0

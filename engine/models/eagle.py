@@ -81,7 +81,7 @@ class EagleHead(nn.Module):
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [N, (n + 1) H] (``feature_layers``' then its final ones,
         ``ModelRunner.forward``'s ``hidden_layers``) -> the features the head reads [N, H]."""
-        return hidden.clone() if self.fuse is None else self.fuse(hidden.to(self.fuse.weight.dtype))
+        return hidden if self.fuse is None else self.fuse(hidden.to(self.fuse.weight.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """h [N, H] -> float32 logits over the draft vocabulary [N, draft_vocab_size]."""

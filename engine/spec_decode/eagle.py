@@ -148,6 +148,9 @@ class EagleProposer:
     def target_vocab_size(self) -> int:
         return self.head.embed_tokens[0].num_embeddings
 
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.target_features(hidden)
+
     def commit(
         self,
         seq_id: int,
@@ -164,7 +167,7 @@ class EagleProposer:
         valid = written[0]
         first = target.first_position  # <= valid - 1: the step computed from there
         keep = target.hidden[valid - 1 - first : target.num_computed - first]
-        self._states[seq_id] = _State(valid, valid - 1, self.head.target_features(keep))
+        self._states[seq_id] = _State(valid, valid - 1, keep.clone())
         return valid
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import torch
+
 from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
@@ -112,6 +114,11 @@ class SpeculationManager:
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return () if self.proposer is None else self.proposer.hidden_layers
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The proposer's features of a step's target hidden states (needs_target_hidden)."""
+        assert self.proposer is not None
+        return self.proposer.target_features(hidden)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.proposer is not None:

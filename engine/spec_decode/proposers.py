@@ -40,8 +40,8 @@ class TargetStep:
     """What the target's forward produced for one sequence, for a proposer that reads it."""
 
     first_position: int  # the position of hidden's first row (the step's span start)
-    # [span length, (len(hidden_layers) + 1) H]: the proposer's hidden_layers' hidden states,
-    # then the final ones; None unless asked for
+    # [span length, H]: the proposer's target_features of the target's hidden states; None
+    # unless asked for (needs_target_hidden)
     hidden: torch.Tensor | None
     num_computed: int  # the target's computed tokens once the step commits
 
@@ -70,6 +70,12 @@ class Proposer(Protocol):
     ) -> int | None:
         """The step commits ``new_token_ids`` (they follow what the step computed): returns how
         many of the sequence's tokens the proposer's own KV then covers (None: it keeps none)."""
+        ...
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's target hidden states [T, (len(hidden_layers) + 1) H] (``ModelRunner.forward``
+        with ``hidden_layers``) -> what commit() gets of them, once per step for every row;
+        called only where needs_target_hidden."""
         ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
