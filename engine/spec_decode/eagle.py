@@ -1,9 +1,11 @@
 """EAGLE drafting: a one-layer head reads the target's own features and drafts from them.
 
 The head's input at position i is (token_i, feature_{i-1}), feature_j being the target's final
-hidden state at j. Before the target's forward, the head feeds every position from its own KV's
-end ``valid`` up to C (the target's computed tokens, whose features earlier forwards produced),
-then drafts: d1 from h_C, d2 from (d1, h_C) at C + 1, and so on. Invariants per sequence:
+hidden state at j (eagle1), or those of some of its layers fused with it (eagle3: the target's
+forward returns them, and ``target_features`` fuses a whole step's at once). Before the target's
+forward, the head feeds every position from its own KV's end ``valid`` up to C (the target's
+computed tokens, whose features earlier forwards produced), then drafts: d1 from h_C, d2 from
+(d1, h_C) at C + 1, and so on. Invariants per sequence:
 
 - the head's KV is valid for positions < ``valid`` (computed from the target's features, never
   from the head's own: accepted drafts are fed again); a block is registered for prefix caching
