@@ -28,7 +28,12 @@ from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
 from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.eagle_format import feature_layers, llama_config, load_head
+from engine.spec_decode.eagle_format import (
+    feature_layers,
+    feature_layers_fit,
+    llama_config,
+    load_head,
+)
 from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
 from kernels import cpu_extension
 from scheduler import ScheduledSequence
@@ -49,7 +54,7 @@ def load_eagle_head(
             f"{config['target_vocab_size']} tokens; this model has {hidden} and {vocab}"
         )
     layers = feature_layers(config)
-    if layers and layers[-1] >= target.config.num_hidden_layers - 1:
+    if not feature_layers_fit(layers, target.config.num_hidden_layers):
         raise ValueError(
             f"draft_model head reads the target's layers {list(layers)}; this model has "
             f"{target.config.num_hidden_layers} (a head may read all but the last)"

@@ -109,6 +109,12 @@ def feature_layers(config: dict) -> tuple[int, ...]:
     return tuple(config.get("feature_layers", ()))
 
 
+def feature_layers_fit(layers: tuple[int, ...], num_layers: int) -> bool:
+    """Whether a head may read ``layers`` of a target of ``num_layers``: every layer but the last
+    (whose hidden state the final one already is, up to its norm)."""
+    return not layers or layers[-1] < num_layers - 1
+
+
 def _positive_int(value: Any, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"config {name} must be a positive integer, got {value!r}")

@@ -109,12 +109,11 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 def _check_feature_layers(model_path: str, layers: tuple[int, ...]) -> None:
-    """Before any stage runs: a fused layer must lie before the target's last one (whose hidden
-    state the final one already is, up to its norm)."""
+    """Before any stage runs: the head may read ``layers`` (``eagle_format.feature_layers_fit``)."""
     from transformers import AutoConfig
 
     num_layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
-    if layers and layers[-1] >= num_layers - 1:
+    if not eagle_format.feature_layers_fit(layers, num_layers):
         raise ValueError(
             f"--feature-layers must be below {num_layers - 1} (the target's last layer), "
             f"got {list(layers)}"
