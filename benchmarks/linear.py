@@ -37,7 +37,7 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 def build_parser():
     parser = workload.parser(__doc__, model=False)
     parser.add_argument("--model", default=None, help="HF directory whose config to use")
-    parser.add_argument("--rows", default="1,2,4,5,8,9,16,32,64,128,256,512")
+    parser.add_argument("--rows", default="1,2,3,4,5,8,9,16,32,64,128,256,512")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--dtypes",

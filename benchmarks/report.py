@@ -69,7 +69,8 @@ def _sampling(cfg: dict) -> str:
 
 def _machine(p: dict) -> list[str]:
     m = p["machine"]
-    device = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads"
+    simd = f" ({m['cpu_capability']})" if m.get("cpu_capability") else ""  # older JSON: none
+    device = m["gpu"] or f"{m['cpu']}{simd}, {m['cores']} cores, {m['torch_threads']} torch threads"
     return [
         f"- command: `{m['command']}`",
         f"- machine: {device}; torch {m['torch']}, transformers {m['transformers']}, "

@@ -162,7 +162,8 @@ def machine_info(device: torch.device, module: str) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

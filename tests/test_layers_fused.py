@@ -144,7 +144,8 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
     gate, up = proj.weight.double().chunk(2)
     proj.prepack()
     gate_bias, up_bias = proj.bias.double().chunk(2) if bias else (None, None)
-    for shape in [(1, 24), (2, 24), (3, 24), (7, 24), (300, 24), (2, 5, 24)]:
+    shapes = [*((m, 24) for m in range(1, 10)), (300, 24), (2, 5, 24)]  # 1-9: one row tile
+    for shape in shapes:
         x = torch.randn(shape, generator=gen)
         got = layers.swiglu(proj, x)
         assert got.shape == (*shape[:-1], inter)
@@ -154,4 +155,16 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
         exact = F.silu(F.linear(x64, gate, gate_bias)) * F.linear(x64, up, up_bias)
         assert close(got, exact, tol=1e-5), shape
     # every shape when fused (36: no multiple of the SIMD width, 8 or 16 floats)
-    assert len(fused_calls) == (6 if inter == 48 and not bias else 0)
+    assert len(fused_calls) == (len(shapes) if inter == 48 and not bias else 0)
+
+
+def test_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
+    """The fused gate_up GEMM's rows: one tile of all rows up to 8 (fewer panels per tile), or
+    tiles of 6 or 2 and their parts; a row's bits are the same in each."""
+    proj = layers.Linear(40, 2 * 48, bias=False).requires_grad_(False)
+    proj.weight.data = torch.randn(2 * 48, 40, generator=gen)
+    proj.prepack()
+    x = torch.randn(300, 40, generator=gen)
+    full = layers.swiglu(proj, x)
+    for rows in (*range(1, 10), 13, 257):
+        assert torch.equal(layers.swiglu(proj, x[:rows]), full[:rows]), rows

@@ -31,8 +31,41 @@ constexpr int kTilePanels = 3;
 // silu(gate) * up tiles hold a gate and an up accumulator per (row, panel): 6 x 2 measured
 // faster than 4 x 3 and 8 x 1 at 32 and 2048 rows on the dev CPU.
 constexpr int kGatedRows = V >= 16 ? 6 : 2;
-constexpr int kGatedPanels = 2;  // (the remainder code below assumes 2)
+constexpr int kGatedPanels = 2;
 constexpr int64_t kChunkRows = 256;
+// Up to this many rows (a decode step, the verification of a few drafts) all rows are one
+// tile, so the weight streams past them once. Split into the tiles above (3 = 2 + 1 rows),
+// each tile re-reads the panels while the memory bus idles: on the AVX2 dev CPU 3 rows took
+// 1.13-1.15x the time of 1 through the LM head and gate_up, 1.01-1.04x as one tile. Such a
+// tile takes fewer panels where the registers need it.
+constexpr int kSmallRows = V >= 16 ? 8 : 6;
+constexpr int kVecRegs = V >= 16 ? 32 : 16;
+
+// Panels a tile of `rows` rows with `accs` accumulators per (row, panel) keeps in registers:
+// rows * P * accs sums + P * accs weight vectors + 1 broadcast x, at most `cap`.
+constexpr int small_tile_panels(int rows, int accs, int cap) {
+  const int p = (kVecRegs - 1) / ((rows + 1) * accs);
+  return p < cap ? p : cap;
+}
+static_assert(small_tile_panels(kSmallRows, 2, kGatedPanels) >= 1, "kSmallRows too large");
+
+// fn(std::integral_constant<int, M>) for 1 <= M <= kSmallRows.
+template <int R = 1, typename Fn>
+void with_small_rows(int64_t M, const Fn& fn) {
+  if constexpr (R < kSmallRows) {
+    if (M != R) return with_small_rows<R + 1>(M, fn);
+  }
+  fn(std::integral_constant<int, R>{});
+}
+
+// The row tiling of a call of R <= kSmallRows rows: one tile (row_tiles' interface).
+template <int R>
+struct OneTile {
+  template <typename Fn>
+  void operator()(int64_t, const Fn& fn) const {
+    fn(std::integral_constant<int, R>{}, 0);
+  }
+};
 
 // acc[i][j] += x[i, :] . (column block j of the weight) for R rows and P panels, over all of K.
 template <int R, int P>
@@ -169,23 +202,39 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
-  over_chunks(xc.size(0), groups, [&](int64_t m, int64_t rows, int64_t g) {
-    const int64_t first = g * kTilePanels, count = std::min<int64_t>(kTilePanels, panels - first);
-    const int64_t last_cols = std::min(V, N - (first + count - 1) * V);  // rest: zero padding
-    const float* panel = wp + first * K * V;
-    const float* bias_cols = bp ? bp + first * V : nullptr;
-    row_tiles<kTileRows, true>(rows, [&](auto tile_rows, int64_t i) {
-      constexpr int R = decltype(tile_rows)::value;
-      const float* xi = xp + (m + i) * K;
-      float* oi = op + (m + i) * N + first * V;
-      switch (count) {
-        case 1: return tile<R, 1>(xi, K, panel, K, bias_cols, oi, N, last_cols);
-        case 2: return tile<R, 2>(xi, K, panel, K, bias_cols, oi, N, last_cols);
-        default: return tile<R, kTilePanels>(xi, K, panel, K, bias_cols, oi, N, last_cols);
-      }
+  // Groups of P panels over row tiles: one tile of all rows when few, else row_tiles.
+  auto run = [&](auto panels_per_group, const auto& tiles) {
+    constexpr int P = decltype(panels_per_group)::value;
+    over_chunks(xc.size(0), (panels + P - 1) / P, [&](int64_t m, int64_t rows, int64_t g) {
+      const int64_t first = g * P, count = std::min<int64_t>(P, panels - first);
+      const int64_t last_cols = std::min(V, N - (first + count - 1) * V);  // rest: zero padding
+      const float* panel = wp + first * K * V;
+      const float* bias_cols = bp ? bp + first * V : nullptr;
+      tiles(rows, [&](auto tile_rows, int64_t i) {
+        constexpr int R = decltype(tile_rows)::value;
+        const float* xi = xp + (m + i) * K;
+        float* oi = op + (m + i) * N + first * V;
+        if constexpr (P >= 3) {
+          if (count == 2) return tile<R, 2>(xi, K, panel, K, bias_cols, oi, N, last_cols);
+        }
+        if constexpr (P >= 2) {
+          if (count == 1) return tile<R, 1>(xi, K, panel, K, bias_cols, oi, N, last_cols);
+        }
+        tile<R, P>(xi, K, panel, K, bias_cols, oi, N, last_cols);
+      });
     });
-  });
+  };
+  const int64_t M = xc.size(0);
+  if (M > 0 && M <= kSmallRows) {
+    with_small_rows(M, [&](auto all_rows) {
+      constexpr int R = decltype(all_rows)::value;
+      constexpr int P = small_tile_panels(R, 1, kTilePanels);
+      run(std::integral_constant<int, P>{}, OneTile<R>{});
+    });
+  } else {
+    run(std::integral_constant<int, kTilePanels>{},
+        [](int64_t rows, const auto& fn) { row_tiles<kTileRows, true>(rows, fn); });
+  }
   return out;
 }
 
@@ -200,19 +249,34 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t groups = (half + kGatedPanels - 1) / kGatedPanels;
-  over_chunks(xc.size(0), groups, [&](int64_t m, int64_t rows, int64_t g) {
-    const int64_t first = g * kGatedPanels, count = std::min<int64_t>(kGatedPanels, half - first);
-    const float* panel = wp + first * K * V;
-    row_tiles<kGatedRows, true>(rows, [&](auto tile_rows, int64_t i) {
-      constexpr int R = decltype(tile_rows)::value;
-      const float* xi = xp + (m + i) * K;
-      float* oi = op + (m + i) * intermediate + first * V;
-      if (count < kGatedPanels) {  // the last group of an odd number of panels
-        return gated_tile<R, 1>(xi, K, panel, half * K * V, K, oi, intermediate);
-      }
-      gated_tile<R, kGatedPanels>(xi, K, panel, half * K * V, K, oi, intermediate);
+  auto run = [&](auto panels_per_group, const auto& tiles) {
+    constexpr int P = decltype(panels_per_group)::value;
+    over_chunks(xc.size(0), (half + P - 1) / P, [&](int64_t m, int64_t rows, int64_t g) {
+      const int64_t first = g * P, count = std::min<int64_t>(P, half - first);
+      const float* panel = wp + first * K * V;
+      tiles(rows, [&](auto tile_rows, int64_t i) {
+        constexpr int R = decltype(tile_rows)::value;
+        const float* xi = xp + (m + i) * K;
+        float* oi = op + (m + i) * intermediate + first * V;
+        if constexpr (P >= 2) {
+          if (count == 1) {  // the last group of an odd number of panels
+            return gated_tile<R, 1>(xi, K, panel, half * K * V, K, oi, intermediate);
+          }
+        }
+        gated_tile<R, P>(xi, K, panel, half * K * V, K, oi, intermediate);
+      });
     });
-  });
+  };
+  const int64_t M = xc.size(0);
+  if (M > 0 && M <= kSmallRows) {
+    with_small_rows(M, [&](auto all_rows) {
+      constexpr int R = decltype(all_rows)::value;
+      constexpr int P = small_tile_panels(R, 2, kGatedPanels);
+      run(std::integral_constant<int, P>{}, OneTile<R>{});
+    });
+  } else {
+    run(std::integral_constant<int, kGatedPanels>{},
+        [](int64_t rows, const auto& fn) { row_tiles<kGatedRows, true>(rows, fn); });
+  }
   return out;
 }
