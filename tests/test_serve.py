@@ -252,6 +252,15 @@ def test_errors(server):
     _error(post("/v1/chat/completions", json=chat | {"top_logprobs": 2}), 400, "top_logprobs")
     _error(post("/v1/chat/completions", json=chat | {"max_completion_tokens": 0}), 400,
            "max_completion_tokens")  # fmt: skip
+    # a prompt plus max_tokens past the context: a 400 naming the field and its bound
+    edge = ok | {"prompt": [7] * (MAX_MODEL_LEN - 2)}
+    error = _error(post("/v1/completions", json=edge | {"max_tokens": 3}), 400, "max_tokens")
+    assert "max_tokens must be <= 2" in error["message"]
+    assert post("/v1/completions", json=edge).status_code == 200  # max_tokens 2: fits
+    both = ok | {"prompt": [[7, 7], [7] * (MAX_MODEL_LEN - 50)], "max_tokens": 100}
+    _error(post("/v1/completions", json=both), 400, "max_tokens")
+    for limit in ("max_tokens", "max_completion_tokens"):
+        _error(post("/v1/chat/completions", json=chat | {limit: MAX_MODEL_LEN}), 400, limit)
     _error(post("/v1/completions", json=ok | {"model": "gpt-4"}), 404, "model")
     assert _error(httpx.post(f"{server.url}/v1/completions", json=ok), 401)["code"]
     wrong = {"Authorization": "Bearer nope"}

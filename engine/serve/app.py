@@ -21,7 +21,12 @@ from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 from engine.serve.async_engine import AsyncEngine
 from engine.serve.chat import Chat, chat_params, chat_prompt
-from engine.serve.completions import Completions, completion_params, completion_prompts
+from engine.serve.completions import (
+    Completions,
+    completion_params,
+    completion_prompts,
+    prompt_len,
+)
 from engine.serve.metrics import ServerMetrics
 from engine.serve.protocol import (
     ChatCompletionRequest,
@@ -30,7 +35,7 @@ from engine.serve.protocol import (
     ModelList,
 )
 from engine.serve.request_group import RequestGroup
-from engine.serve.serving import APIError, api_error, bad_request
+from engine.serve.serving import APIError, api_error, bad_request, check_context
 from engine.serve.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 
 
@@ -38,7 +43,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     """The app around a not-yet-started ``AsyncEngine``: startup starts its thread, shutdown
     (after uvicorn has let running requests finish) aborts what is left and stops it."""
     metrics = ServerMetrics(lambda: engine.stats)
-    tokenizer = engine.engine.tokenizer
+    tokenizer, max_model_len = engine.engine.tokenizer, engine.engine.max_model_len
     completions, chat = Completions(tokenizer, model_name), Chat(tokenizer, model_name)
 
     @asynccontextmanager
@@ -115,7 +120,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def create_completion(body: CompletionRequest, request: Request):
         check_model(body.model)
         params = completion_params(body)
-        group = await start(completion_prompts(body.prompt), params, {})
+        prompts = completion_prompts(body.prompt)
+        lens = [prompt_len(tokenizer, p) for p in prompts]
+        check_context(max_model_len, lens, params.max_tokens, "max_tokens")
+        group = await start(prompts, params, {})
         return await respond(
             request,
             group,
@@ -129,7 +137,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         check_model(body.model)
         params = chat_params(body)
         renamed = {"prompt": "messages", "logprobs": "top_logprobs"}
-        group = await start([chat_prompt(tokenizer, body)], params, renamed)
+        prompt = chat_prompt(tokenizer, body)
+        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_context(max_model_len, [len(prompt["prompt_token_ids"])], params.max_tokens, limit)
+        group = await start([prompt], params, renamed)
         return await respond(
             request,
             group,

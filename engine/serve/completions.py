@@ -39,6 +39,14 @@ def completion_prompts(prompt: str | list) -> list[PromptType]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
+def prompt_len(tokenizer: Any, prompt: PromptType) -> int:
+    """A completion prompt's token count as the engine tokenizes it (0: empty, or no
+    tokenizer; the engine rejects either)."""
+    if isinstance(prompt, str):
+        return len(tokenizer.encode(prompt, add_special_tokens=True)) if tokenizer and prompt else 0
+    return len(prompt["prompt_token_ids"])
+
+
 def completion_params(req: CompletionRequest) -> SamplingParams:
     kwargs = req.sampling_kwargs() | {"max_tokens": req.max_tokens}
     if req.logprobs is not None:

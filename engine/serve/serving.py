@@ -72,6 +72,26 @@ def sampling_params(kwargs: dict[str, Any], renamed: dict[str, str]) -> Sampling
         raise bad_request(e, renamed) from None
 
 
+def check_context(
+    max_model_len: int, prompt_lens: Iterable[int], max_tokens: int | None, field: str
+) -> None:
+    """OpenAI's (and vLLM's server's) rule: a prompt plus ``max_tokens`` past the model's
+    context is a 400 naming ``field``, not a completion cut short (the offline ``LLM`` stops
+    such a request at max_model_len, finish reason "length"). A prompt that is empty or alone
+    too long is left to the engine's own error about it."""
+    if max_tokens is None:
+        return
+    for n in prompt_lens:
+        if 0 < n < max_model_len and n + max_tokens > max_model_len:
+            raise APIError(
+                400,
+                f"{field} must be <= {max_model_len - n} for this {n}-token prompt (the "
+                f"model's context is {max_model_len} tokens), got {max_tokens}",
+                param=field,
+                code="invalid_value",
+            )
+
+
 def check_finished(outputs: list[RequestOutput]) -> None:
     """A request the engine aborted because a step failed on it is a server error."""
     for out in outputs:
