@@ -69,8 +69,7 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
     per_rows = []
     for rows in rows_list:
         inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {m.in_features for m in layers}}
-        reorder = torch.ops.mkldnn._reorder_linear_weight if _ONEDNN else None
-        onednn = {m: reorder(plain[m], rows) for m in layers} if reorder else {}
+        onednn = onednn_weights(plain, rows)
 
         def one_pass(impl: str, inputs=inputs, onednn=onednn) -> None:
             for m in layers:
@@ -171,6 +170,18 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     int8 kernels take."""
     scale = weight.abs().amax(1).clamp_min(1e-12) / 127
     return (weight / scale[:, None]).round().to(torch.int8), scale
+
+
+def onednn_weights(plain: dict, rows: int) -> dict:
+    """Each weight reordered by oneDNN for ``rows`` rows; {} where oneDNN has no such linear
+    on this CPU (bf16 needs AVX512BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none)."""
+    if not _ONEDNN:
+        return {}
+    try:
+        return {m: torch.ops.mkldnn._reorder_linear_weight(w, rows) for m, w in plain.items()}
+    except RuntimeError as e:
+        print(f"oneDNN prepacked linear skipped: {e}")
+        return {}
 
 
 def onednn_int8_linear(x, packed, w_scale, bias) -> torch.Tensor:

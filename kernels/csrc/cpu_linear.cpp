@@ -67,6 +67,22 @@ struct OneTile {
   }
 };
 
+// run(panels per tile P, row tiling) for a call of M rows of a kernel whose tiles hold Accs
+// accumulators per (row, panel): up to kSmallRows one tile of all M rows, with as many panels
+// as the registers hold (at most Cap); more rows in tiles of Cap panels and RMax rows.
+template <int Accs, int Cap, int RMax, typename Run>
+void by_row_count(int64_t M, const Run& run) {
+  if (M > 0 && M <= kSmallRows) {
+    with_small_rows(M, [&](auto all_rows) {
+      constexpr int R = decltype(all_rows)::value;
+      run(std::integral_constant<int, small_tile_panels(R, Accs, Cap)>{}, OneTile<R>{});
+    });
+  } else {
+    run(std::integral_constant<int, Cap>{},
+        [](int64_t rows, const auto& fn) { row_tiles<RMax, true>(rows, fn); });
+  }
+}
+
 // acc[i][j] += x[i, :] . (column block j of the weight) for R rows and P panels, over all of K.
 template <int R, int P>
 C10_ALWAYS_INLINE void accumulate(const float* x, int64_t ldx, const float* const (&panels)[P],
@@ -202,7 +218,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // Groups of P panels over row tiles: one tile of all rows when few, else row_tiles.
+  // Groups of P panels, each over the call's row tiles (by_row_count).
   auto run = [&](auto panels_per_group, const auto& tiles) {
     constexpr int P = decltype(panels_per_group)::value;
     over_chunks(xc.size(0), (panels + P - 1) / P, [&](int64_t m, int64_t rows, int64_t g) {
@@ -224,17 +240,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
       });
     });
   };
-  const int64_t M = xc.size(0);
-  if (M > 0 && M <= kSmallRows) {
-    with_small_rows(M, [&](auto all_rows) {
-      constexpr int R = decltype(all_rows)::value;
-      constexpr int P = small_tile_panels(R, 1, kTilePanels);
-      run(std::integral_constant<int, P>{}, OneTile<R>{});
-    });
-  } else {
-    run(std::integral_constant<int, kTilePanels>{},
-        [](int64_t rows, const auto& fn) { row_tiles<kTileRows, true>(rows, fn); });
-  }
+  by_row_count<1, kTilePanels, kTileRows>(xc.size(0), run);
   return out;
 }
 
@@ -267,16 +273,6 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
       });
     });
   };
-  const int64_t M = xc.size(0);
-  if (M > 0 && M <= kSmallRows) {
-    with_small_rows(M, [&](auto all_rows) {
-      constexpr int R = decltype(all_rows)::value;
-      constexpr int P = small_tile_panels(R, 2, kGatedPanels);
-      run(std::integral_constant<int, P>{}, OneTile<R>{});
-    });
-  } else {
-    run(std::integral_constant<int, kGatedPanels>{},
-        [](int64_t rows, const auto& fn) { row_tiles<kGatedRows, true>(rows, fn); });
-  }
+  by_row_count<2, kGatedPanels, kGatedRows>(xc.size(0), run);
   return out;
 }
