@@ -64,7 +64,7 @@ class Processor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+            token_ids = encode_prompt(self.tokenizer, prompt)
             text = prompt
         elif isinstance(prompt, list | tuple) or hasattr(prompt, "tolist"):
             token_ids = _token_ids(prompt, self.vocab_size)
@@ -103,6 +103,11 @@ class Processor:
                 f"request needs up to {needed} KV blocks ({longest} tokens) but the cache has "
                 f"{self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A text prompt's token ids, as the engine computes them (special tokens added)."""
+    return tokenizer.encode(text, add_special_tokens=True) if text else []
 
 
 def _token_ids(prompt: Any, vocab_size: int) -> list[int]:

@@ -20,13 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 from engine.serve.async_engine import AsyncEngine
-from engine.serve.chat import Chat, chat_params, chat_prompt
-from engine.serve.completions import (
-    Completions,
-    completion_params,
-    completion_prompts,
-    prompt_len,
-)
+from engine.serve.chat import Chat, chat_params, chat_prompt, max_tokens_field
+from engine.serve.completions import Completions, completion_params, completion_prompts
 from engine.serve.metrics import ServerMetrics
 from engine.serve.protocol import (
     ChatCompletionRequest,
@@ -120,8 +115,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def create_completion(body: CompletionRequest, request: Request):
         check_model(body.model)
         params = completion_params(body)
-        prompts = completion_prompts(body.prompt)
-        lens = [prompt_len(tokenizer, p) for p in prompts]
+        prompts = completion_prompts(tokenizer, body.prompt)
+        lens = [len(p["prompt_token_ids"]) for p in prompts if not isinstance(p, str)]
         check_context(max_model_len, lens, params.max_tokens, "max_tokens")
         group = await start(prompts, params, {})
         return await respond(
@@ -138,8 +133,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         params = chat_params(body)
         renamed = {"prompt": "messages", "logprobs": "top_logprobs"}
         prompt = chat_prompt(tokenizer, body)
-        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        check_context(max_model_len, [len(prompt["prompt_token_ids"])], params.max_tokens, limit)
+        lens = [len(prompt["prompt_token_ids"])]
+        check_context(max_model_len, lens, params.max_tokens, max_tokens_field(body))
         group = await start([prompt], params, renamed)
         return await respond(
             request,

@@ -38,11 +38,16 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         raise APIError(
             400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
         )
-    limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = max_tokens_field(req)
     kwargs = req.sampling_kwargs() | {"max_tokens": getattr(req, limit)}
     if req.logprobs:
         kwargs["logprobs"] = req.top_logprobs or 0
     return sampling_params(kwargs, {"max_tokens": limit, "logprobs": "top_logprobs"})
+
+
+def max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The request's length limit: OpenAI's max_completion_tokens, else the older max_tokens."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> dict[str, list[int]]:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.outputs import RequestOutput
-from engine.processor import PromptType
+from engine.processor import PromptType, encode_prompt
 from engine.sampling_params import SamplingParams
 from engine.serve.logprobs import completion_logprobs
 from engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -28,23 +28,21 @@ from engine.serve.serving import (
 )
 
 
-def completion_prompts(prompt: str | list) -> list[PromptType]:
-    """A string, a list of strings, token ids, or a list of token-id lists."""
-    if isinstance(prompt, str):
-        return [prompt]
+def completion_prompts(tokenizer: Any, prompt: str | list) -> list[PromptType]:
+    """A string, a list of strings, token ids, or a list of token-id lists, one prompt each.
+    Text is tokenized here, once, as the engine would (``encode_prompt``), so that the server
+    knows each prompt's length; without a tokenizer it stays text (the engine rejects it)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-    if isinstance(prompt[0], int):
-        return [{"prompt_token_ids": prompt}]
-    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+    return [_token_prompt(tokenizer, p) for p in prompt]
 
 
-def prompt_len(tokenizer: Any, prompt: PromptType) -> int:
-    """A completion prompt's token count as the engine tokenizes it (0: empty, or no
-    tokenizer; the engine rejects either)."""
-    if isinstance(prompt, str):
-        return len(tokenizer.encode(prompt, add_special_tokens=True)) if tokenizer and prompt else 0
-    return len(prompt["prompt_token_ids"])
+def _token_prompt(tokenizer: Any, prompt: str | list[int]) -> PromptType:
+    if not isinstance(prompt, str):
+        return {"prompt_token_ids": prompt}
+    return prompt if tokenizer is None else {"prompt_token_ids": encode_prompt(tokenizer, prompt)}
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
