@@ -257,6 +257,7 @@ def test_errors(server):
     error = _error(post("/v1/completions", json=edge | {"max_tokens": 3}), 400, "max_tokens")
     assert "max_tokens must be <= 2" in error["message"]
     assert post("/v1/completions", json=edge).status_code == 200  # max_tokens 2: fits
+    _error(post("/v1/completions", json=ok | {"max_tokens": MAX_MODEL_LEN}), 400, "max_tokens")
     both = ok | {"prompt": [[7, 7], [7] * (MAX_MODEL_LEN - 50)], "max_tokens": 100}
     _error(post("/v1/completions", json=both), 400, "max_tokens")
     for limit in ("max_tokens", "max_completion_tokens"):
