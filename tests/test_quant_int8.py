@@ -113,13 +113,15 @@ def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
 
 
 def test_linear_q8_row_bits_do_not_depend_on_the_batch(gen):
-    """Rows run alone and in a batch of 64 (other row tiles) give the same bits, at any
-    thread count."""
+    """Rows run alone, in a call of up to 9 rows (one tile of them all up to 8, fewer panels
+    per tile) and in a batch of 64 (other row tiles) give the same bits, at any thread count."""
     ext = cpu_extension.load()
     qs, ds = quantize_q8_0(weight(200, 96, gen))
     pq, pd = ext.pack_q8_weight(qs, ds)
     x = torch.randn(64, 96, generator=gen)
     batch = ext.linear_q8(x, pq, pd, None, 200)
+    for rows in range(1, 10):
+        assert torch.equal(ext.linear_q8(x[:rows], pq, pd, None, 200), batch[:rows]), rows
     threads = torch.get_num_threads()
     try:
         for t in {1, threads}:
@@ -149,6 +151,18 @@ def test_swiglu_of_int8_projection_matches_float64(rows, gen, monkeypatch):
     assert rel_err(got, F.silu(gate) * up) < 2e-6
     assert calls == [1]
     assert torch.equal(got, layers.silu_and_mul(proj(x)))
+
+
+def test_int8_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
+    """The fused int8 gate_up GEMM's rows: one tile of all rows where the registers hold one
+    (fewer panels per tile), or tiles of 3 or 1; a row's bits are the same in each."""
+    proj = layers.Linear(64, 2 * 48, bias=False).requires_grad_(False)
+    proj.weight.data = weight(2 * 48, 64, gen)
+    proj.quantize()
+    x = torch.randn(300, 64, generator=gen)
+    full = layers.swiglu(proj, x)
+    for rows in (*range(1, 10), 13, 257):
+        assert torch.equal(layers.swiglu(proj, x[:rows]), full[:rows]), rows
 
 
 def test_int8_linear_keeps_one_copy_and_unpacks_dequantised(gen):

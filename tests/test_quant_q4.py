@@ -139,6 +139,8 @@ def test_linear_q4_row_bits_do_not_depend_on_the_batch(gen):
     pq, pdm = ext.pack_q4_weight(*quantize_q4_1(weight(200, 96, gen)))
     x = torch.randn(64, 96, generator=gen)
     batch = ext.linear_q4(x, pq, pdm, None, 200)
+    for rows in range(1, 10):  # one tile of them all up to 8 rows (fewer panels per tile)
+        assert torch.equal(ext.linear_q4(x[:rows], pq, pdm, None, 200), batch[:rows]), rows
     threads = torch.get_num_threads()
     try:
         for t in {1, threads}:
@@ -169,6 +171,17 @@ def test_swiglu_of_q4_projection_matches_float64(rows, gen, monkeypatch):
     assert rel_err(got, F.silu(gate) * up) < 2e-6
     assert calls == [1]
     assert torch.equal(got, layers.silu_and_mul(proj(x)))
+
+
+def test_q4_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
+    """As for int8: one tile of all rows where the registers hold one, else row tiles."""
+    proj = layers.Linear(64, 2 * 48, bias=False).requires_grad_(False)
+    proj.weight.data = weight(2 * 48, 64, gen)
+    proj.quantize("q4_1")
+    x = torch.randn(300, 64, generator=gen)
+    full = layers.swiglu(proj, x)
+    for rows in (*range(1, 10), 13, 257):
+        assert torch.equal(layers.swiglu(proj, x[:rows]), full[:rows]), rows
 
 
 def test_q4_linear_keeps_one_copy_and_unpacks_dequantised(gen):

@@ -296,22 +296,29 @@ at::Tensor linear(const at::Tensor& x, const Panels& all, int64_t nb, int64_t pa
   auto out = at::empty({xc.size(0), N}, xc.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  over_groups(xc, all, nb, panels, kTilePanels,
-              [&](const QuantRows& x, int64_t m, int64_t rows, const Panels& group,
-                  int64_t first, int count) {
-                const int64_t last_cols = std::min(V, N - (first + count - 1) * V);
-                const float* bias_cols = bp ? bp + first * V : nullptr;
-                row_tiles<kTileRows, false>(rows, [&](auto tile_rows, int64_t i) {
-                  constexpr int R = decltype(tile_rows)::value;
-                  float* oi = op + (m + i) * N + first * V;
-                  switch (count) {
-                    case 1: return tile<R, 1>(x, i, group, bias_cols, oi, N, last_cols);
-                    case 2: return tile<R, 2>(x, i, group, bias_cols, oi, N, last_cols);
-                    default:
-                      return tile<R, kTilePanels>(x, i, group, bias_cols, oi, N, last_cols);
-                  }
+  // Groups of P panels, each over the call's row tiles (by_row_count): a tile holds an int32
+  // and a float32 sum per (row, panel) and kStep weight vectors per panel.
+  auto run = [&](auto panels_per_group, const auto& tiles) {
+    constexpr int P = decltype(panels_per_group)::value;
+    over_groups(xc, all, nb, panels, P,
+                [&](const QuantRows& x, int64_t m, int64_t rows, const Panels& group,
+                    int64_t first, int count) {
+                  const int64_t last_cols = std::min(V, N - (first + count - 1) * V);
+                  const float* bias_cols = bp ? bp + first * V : nullptr;
+                  tiles(rows, [&](auto tile_rows, int64_t i) {
+                    constexpr int R = decltype(tile_rows)::value;
+                    float* oi = op + (m + i) * N + first * V;
+                    if constexpr (P >= 3) {
+                      if (count == 2) return tile<R, 2>(x, i, group, bias_cols, oi, N, last_cols);
+                    }
+                    if constexpr (P >= 2) {
+                      if (count == 1) return tile<R, 1>(x, i, group, bias_cols, oi, N, last_cols);
+                    }
+                    tile<R, P>(x, i, group, bias_cols, oi, N, last_cols);
+                  });
                 });
-              });
+  };
+  by_row_count<2, Panels::kStep, kTilePanels, kTileRows, false>(xc.size(0), run);
   return out;
 }
 
@@ -326,20 +333,27 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const Panels& all, int64_t nb, i
   const auto xc = x.contiguous();
   auto out = at::empty({xc.size(0), intermediate}, xc.options());
   float* op = out.data_ptr<float>();
-  over_groups(xc, all, nb, half, kGatedPanels,
-              [&](const QuantRows& x, int64_t m, int64_t rows, const Panels& group,
-                  int64_t first, int count) {
-                row_tiles<kGatedRows, false>(rows, [&](auto tile_rows, int64_t i) {
-                  constexpr int R = decltype(tile_rows)::value;
-                  float* oi = op + (m + i) * intermediate + first * V;
-                  const auto with_up = [&](auto p) {
-                    constexpr int P = decltype(p)::value;
+  // A tile holds a gate and an up sum, each int32 and float32, per (row, panel), and kStep
+  // weight vectors per gate and per up panel.
+  auto run = [&](auto panels_per_group, const auto& tiles) {
+    constexpr int P = decltype(panels_per_group)::value;
+    over_groups(xc, all, nb, half, P,
+                [&](const QuantRows& x, int64_t m, int64_t rows, const Panels& group,
+                    int64_t first, int count) {
+                  tiles(rows, [&](auto tile_rows, int64_t i) {
+                    constexpr int R = decltype(tile_rows)::value;
+                    float* oi = op + (m + i) * intermediate + first * V;
+                    if constexpr (P >= 2) {
+                      if (count == 1) {  // the last group of an odd number of panels
+                        return gated_tile<R, 1>(x, i, GateUp<Panels, 1>{group, half}, oi,
+                                                intermediate);
+                      }
+                    }
                     gated_tile<R, P>(x, i, GateUp<Panels, P>{group, half}, oi, intermediate);
-                  };
-                  if (count < kGatedPanels) return with_up(std::integral_constant<int, 1>{});
-                  return with_up(std::integral_constant<int, kGatedPanels>{});
+                  });
                 });
-              });
+  };
+  by_row_count<4, 2 * Panels::kStep, kGatedPanels, kGatedRows, false>(xc.size(0), run);
   return out;
 }
 

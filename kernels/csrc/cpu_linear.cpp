@@ -33,56 +33,6 @@ constexpr int kTilePanels = 3;
 constexpr int kGatedRows = V >= 16 ? 6 : 2;
 constexpr int kGatedPanels = 2;
 constexpr int64_t kChunkRows = 256;
-// Up to this many rows (a decode step, the verification of a few drafts) all rows are one
-// tile, so the weight streams past them once. Split into the tiles above (3 = 2 + 1 rows),
-// each tile re-reads the panels while the memory bus idles: on the AVX2 dev CPU 3 rows took
-// 1.13-1.15x the time of 1 through the LM head and gate_up, 1.01-1.04x as one tile. Such a
-// tile takes fewer panels where the registers need it.
-constexpr int kSmallRows = V >= 16 ? 8 : 6;
-constexpr int kVecRegs = V >= 16 ? 32 : 16;
-
-// Panels a tile of `rows` rows with `accs` accumulators per (row, panel) keeps in registers:
-// rows * P * accs sums + P * accs weight vectors + 1 broadcast x, at most `cap`.
-constexpr int small_tile_panels(int rows, int accs, int cap) {
-  const int p = (kVecRegs - 1) / ((rows + 1) * accs);
-  return p < cap ? p : cap;
-}
-static_assert(small_tile_panels(kSmallRows, 2, kGatedPanels) >= 1, "kSmallRows too large");
-
-// fn(std::integral_constant<int, M>) for 1 <= M <= kSmallRows.
-template <int R = 1, typename Fn>
-void with_small_rows(int64_t M, const Fn& fn) {
-  if constexpr (R < kSmallRows) {
-    if (M != R) return with_small_rows<R + 1>(M, fn);
-  }
-  fn(std::integral_constant<int, R>{});
-}
-
-// The row tiling of a call of R <= kSmallRows rows: one tile (row_tiles' interface).
-template <int R>
-struct OneTile {
-  template <typename Fn>
-  void operator()(int64_t, const Fn& fn) const {
-    fn(std::integral_constant<int, R>{}, 0);
-  }
-};
-
-// run(panels per tile P, row tiling) for a call of M rows of a kernel whose tiles hold Accs
-// accumulators per (row, panel): up to kSmallRows one tile of all M rows, with as many panels
-// as the registers hold (at most Cap); more rows in tiles of Cap panels and RMax rows.
-template <int Accs, int Cap, int RMax, typename Run>
-void by_row_count(int64_t M, const Run& run) {
-  if (M > 0 && M <= kSmallRows) {
-    with_small_rows(M, [&](auto all_rows) {
-      constexpr int R = decltype(all_rows)::value;
-      run(std::integral_constant<int, small_tile_panels(R, Accs, Cap)>{}, OneTile<R>{});
-    });
-  } else {
-    run(std::integral_constant<int, Cap>{},
-        [](int64_t rows, const auto& fn) { row_tiles<RMax, true>(rows, fn); });
-  }
-}
-
 // acc[i][j] += x[i, :] . (column block j of the weight) for R rows and P panels, over all of K.
 template <int R, int P>
 C10_ALWAYS_INLINE void accumulate(const float* x, int64_t ldx, const float* const (&panels)[P],
@@ -240,7 +190,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
       });
     });
   };
-  by_row_count<1, kTilePanels, kTileRows>(xc.size(0), run);
+  by_row_count<1, 1, kTilePanels, kTileRows, true>(xc.size(0), run);
   return out;
 }
 
@@ -273,6 +223,6 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_
       });
     });
   };
-  by_row_count<2, kGatedPanels, kGatedRows>(xc.size(0), run);
+  by_row_count<2, 2, kGatedPanels, kGatedRows, true>(xc.size(0), run);
   return out;
 }
