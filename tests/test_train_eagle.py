@@ -455,9 +455,14 @@ def test_training_script_end_to_end(tmp_path):
     # started from the eagle1 head: its manifest is kept as the new head's lineage
     out4 = tmp_path / "head4"
     argv4 = [str(out4) if a == str(out) else a for a in argv]
-    warm = cli.main([*argv4, "--feature-layers", "0", "--init-from", str(out), "--steps", "5"])
+    # (another split of the data, whose own draft vocabulary would differ: the head's is kept)
+    argv4 += ["--feature-layers", "0", "--init-from", str(out), "--heldout-fraction", "0.6"]
+    warm = cli.main([*argv4, "--steps", "5"])
     assert warm["training"]["init_from"] == str(out) and warm["training"]["steps"] == 5
     assert warm["init_from_manifest"] == json.loads((out / "manifest.json").read_text())
+    assert torch.equal(eagle_format.load_head(str(out4))[0]["d2t"], sd["d2t"])
+    with pytest.raises(ValueError, match=r"--draft-vocab-size must be 64 .*got 32"):
+        cli.main([*argv4, "--draft-vocab-size", "32"])
 
 
 def test_feature_layers_are_checked_before_any_stage(tmp_path):

@@ -238,7 +238,15 @@ def main(argv: list[str] | None = None) -> dict:
     convs = features.load_features(work, "answers")
     train, heldout = split(convs, args.heldout_fraction, args.seed)
     vocab = hf_config.vocab_size
-    d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
+    if args.init_from:  # fine-tuning keeps the head's draft vocabulary, whatever the data
+        d2t = eagle_format.load_head(args.init_from)[0]["d2t"]
+        if len(d2t) != args.draft_vocab_size:
+            raise ValueError(
+                f"--draft-vocab-size must be {len(d2t)} (the --init-from head's), "
+                f"got {args.draft_vocab_size}"
+            )
+    else:
+        d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
     t2d = target_to_draft(d2t, vocab)
     layer_config = eagle_format.layer_config_from_hf(hf_config)
     head = EagleHead(layer_config, args.draft_vocab_size, layers)
