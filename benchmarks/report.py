@@ -69,7 +69,9 @@ def _sampling(cfg: dict) -> str:
 
 def _machine(p: dict) -> list[str]:
     m = p["machine"]
-    simd = f" ({m['cpu_capability']})" if m.get("cpu_capability") else ""  # older JSON: none
+    # older JSON: no SIMD level, no family and model
+    details = [m[k] for k in ("cpu_capability", "cpu_model") if m.get(k)]
+    simd = f" ({', '.join(details)})" if details else ""
     device = m["gpu"] or f"{m['cpu']}{simd}, {m['cores']} cores, {m['torch_threads']} torch threads"
     return [
         f"- command: `{m['command']}`",

@@ -151,18 +151,25 @@ def machine_info(device: torch.device, module: str) -> dict:
     """What the numbers were measured on, and the command that measured them."""
     import transformers
 
-    try:
+    try:  # "model name" and, as x86 Linux writes them, "cpu family" and "model"
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
+            lines = f.read().split("\n\n")[0].splitlines()  # the first processor's
+        info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+        cpu = info["model name"]
+    except (OSError, KeyError, ValueError):
+        info, cpu = {}, platform.processor() or platform.machine()
+    # one "model name" ("AMD EPYC") can be several generations: the family and model tell them
+    # apart (AMD's family 25 model 1 is Zen 3, family 26 is Zen 5)
+    x86 = "cpu family" in info and "model" in info
+    cpu_model = f"family {info['cpu family']} model {info['model']}" if x86 else None
     try:
         git = ["git", "rev-parse", "--short", "HEAD"]
         commit = subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu, "cpu_model": cpu_model,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "device": str(device),

@@ -257,6 +257,18 @@ def test_report_shows_every_measured_number():
         assert_every_number_shown(payload, path.name)
 
 
+def test_machine_line_tells_cpu_generations_apart():
+    """One "AMD EPYC" was Zen 3, 4 and 5 in turn: the SIMD level and the CPU's family and
+    model follow its name; JSON from before they were recorded shows the name alone."""
+    payload = json.loads((BENCHMARKS / "results" / "spec_decode.json").read_text())
+    machine = payload["machine"]
+    machine |= {"cpu": "AMD EPYC", "cpu_capability": "AVX512", "cpu_model": "family 26 model 2"}
+    assert "AMD EPYC (AVX512, family 26 model 2), 2 cores" in report.section(payload, "x.json")
+    for key in ("cpu_capability", "cpu_model"):
+        del machine[key]
+    assert "- machine: AMD EPYC, 2 cores" in report.section(payload, "x.json")
+
+
 def _parse(module: str, argv: list[str]):
     return importlib.import_module(module).build_parser().parse_args(argv)
 
