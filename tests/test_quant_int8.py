@@ -112,22 +112,23 @@ def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
     assert rel_err(got, reference(x, qs, ds, b)) < 1e-4
 
 
-def test_linear_q8_row_bits_do_not_depend_on_the_batch(gen):
+@pytest.mark.parametrize("n", [200, 216])  # a last group of 1 panel, and of 2 (AVX512)
+def test_linear_q8_row_bits_do_not_depend_on_the_batch(n, gen):
     """Rows run alone, in a call of up to 9 rows (one tile of them all up to 8, fewer panels
     per tile) and in a batch of 64 (other row tiles) give the same bits, at any thread count."""
     ext = cpu_extension.load()
-    qs, ds = quantize_q8_0(weight(200, 96, gen))
+    qs, ds = quantize_q8_0(weight(n, 96, gen))
     pq, pd = ext.pack_q8_weight(qs, ds)
     x = torch.randn(64, 96, generator=gen)
-    batch = ext.linear_q8(x, pq, pd, None, 200)
+    batch = ext.linear_q8(x, pq, pd, None, n)
     for rows in range(1, 10):
-        assert torch.equal(ext.linear_q8(x[:rows], pq, pd, None, 200), batch[:rows]), rows
+        assert torch.equal(ext.linear_q8(x[:rows], pq, pd, None, n), batch[:rows]), rows
     threads = torch.get_num_threads()
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
             for i in (0, 5, 63):
-                assert torch.equal(ext.linear_q8(x[i : i + 1], pq, pd, None, 200), batch[i : i + 1])
+                assert torch.equal(ext.linear_q8(x[i : i + 1], pq, pd, None, n), batch[i : i + 1])
     finally:
         torch.set_num_threads(threads)
 

@@ -134,19 +134,20 @@ def test_linear_q4_matches_float64_reference(rows, n, k, bias, gen):
     assert rel_err(got, reference(x, qs, ds, ms, b)) < 1e-4
 
 
-def test_linear_q4_row_bits_do_not_depend_on_the_batch(gen):
+@pytest.mark.parametrize("n", [200, 216])  # a last group of 1 panel, and of 2 (AVX512)
+def test_linear_q4_row_bits_do_not_depend_on_the_batch(n, gen):
     ext = cpu_extension.load()
-    pq, pdm = ext.pack_q4_weight(*quantize_q4_1(weight(200, 96, gen)))
+    pq, pdm = ext.pack_q4_weight(*quantize_q4_1(weight(n, 96, gen)))
     x = torch.randn(64, 96, generator=gen)
-    batch = ext.linear_q4(x, pq, pdm, None, 200)
+    batch = ext.linear_q4(x, pq, pdm, None, n)
     for rows in range(1, 10):  # one tile of them all up to 8 rows (fewer panels per tile)
-        assert torch.equal(ext.linear_q4(x[:rows], pq, pdm, None, 200), batch[:rows]), rows
+        assert torch.equal(ext.linear_q4(x[:rows], pq, pdm, None, n), batch[:rows]), rows
     threads = torch.get_num_threads()
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
             for i in (0, 5, 63):
-                alone = ext.linear_q4(x[i : i + 1], pq, pdm, None, 200)
+                alone = ext.linear_q4(x[i : i + 1], pq, pdm, None, n)
                 assert torch.equal(alone, batch[i : i + 1])
     finally:
         torch.set_num_threads(threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -462,7 +463,15 @@ def test_training_script_end_to_end(tmp_path):
     assert warm["init_from_manifest"] == json.loads((out / "manifest.json").read_text())
     assert torch.equal(eagle_format.load_head(str(out4))[0]["d2t"], sd["d2t"])
     with pytest.raises(ValueError, match=r"--draft-vocab-size must be 64 .*got 32"):
-        cli.main([*argv4, "--draft-vocab-size", "32"])
+        cli.main([*argv4, "--draft-vocab-size", "32", "--work-dir", str(tmp_path / "w5")])
+    assert not (tmp_path / "w5").exists()  # checked before any stage
+    other = tmp_path / "other-target"
+    shutil.copytree(out, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"target_vocab_size": 99999}))
+    with pytest.raises(ValueError, match=r"head is for a target of 99999 tokens; this model has"):
+        cli.main([*argv4, "--init-from", str(other), "--work-dir", str(tmp_path / "w5")])
+    assert not (tmp_path / "w5").exists()
 
 
 def test_feature_layers_are_checked_before_any_stage(tmp_path):

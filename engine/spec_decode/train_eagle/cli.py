@@ -120,6 +120,27 @@ def _check_feature_layers(model_path: str, layers: tuple[int, ...]) -> None:
         )
 
 
+def _init_vocabulary(args: argparse.Namespace, model_path: str) -> torch.Tensor:
+    """Before any stage: the ``--init-from`` head's draft vocabulary (d2t), which fine-tuning
+    keeps; the head must be for this target and of ``--draft-vocab-size`` tokens."""
+    from transformers import AutoConfig
+
+    state_dict, config = eagle_format.load_head(args.init_from)
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    if config["target_vocab_size"] != vocab:
+        raise ValueError(
+            f"--init-from {args.init_from}: its head is for a target of "
+            f"{config['target_vocab_size']} tokens; this model has {vocab}"
+        )
+    d2t = state_dict["d2t"]
+    if len(d2t) != args.draft_vocab_size:
+        raise ValueError(
+            f"--draft-vocab-size must be {len(d2t)} (the --init-from head's), "
+            f"got {args.draft_vocab_size}"
+        )
+    return d2t
+
+
 def _init_head(head: EagleHead, path: str) -> None:
     """``head`` (its d2t already chosen) starts from the head at ``path``."""
     state_dict, config = eagle_format.load_head(path)
@@ -186,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model_path, target_name = args.model, os.path.basename(os.path.normpath(args.model))
     _check_feature_layers(model_path, args.feature_layers)
+    init_d2t = _init_vocabulary(args, model_path) if args.init_from else None
     work = args.work_dir
     meta = {
         "target_model": target_name,
@@ -238,15 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
     convs = features.load_features(work, "answers")
     train, heldout = split(convs, args.heldout_fraction, args.seed)
     vocab = hf_config.vocab_size
-    if args.init_from:  # fine-tuning keeps the head's draft vocabulary, whatever the data
-        d2t = eagle_format.load_head(args.init_from)[0]["d2t"]
-        if len(d2t) != args.draft_vocab_size:
-            raise ValueError(
-                f"--draft-vocab-size must be {len(d2t)} (the --init-from head's), "
-                f"got {args.draft_vocab_size}"
-            )
-    else:
-        d2t = choose_draft_vocab(train, vocab, args.draft_vocab_size)
+    # fine-tuning (--init-from) keeps the head's draft vocabulary, whatever the data
+    d2t = (
+        init_d2t
+        if init_d2t is not None
+        else choose_draft_vocab(train, vocab, args.draft_vocab_size)
+    )
     t2d = target_to_draft(d2t, vocab)
     layer_config = eagle_format.layer_config_from_hf(hf_config)
     head = EagleHead(layer_config, args.draft_vocab_size, layers)
