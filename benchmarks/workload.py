@@ -156,7 +156,7 @@ def machine_info(device: torch.device, module: str) -> dict:
             lines = f.read().split("\n\n")[0].splitlines()  # the first processor's
         info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
         cpu = info["model name"]
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError):
         info, cpu = {}, platform.processor() or platform.machine()
     # one "model name" ("AMD EPYC") can be several generations: the family and model tell them
     # apart (AMD's family 25 model 1 is Zen 3, family 26 is Zen 5)

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from engine.spec_decode import eagle_format
 from engine.spec_decode.train_eagle import cli, data, features, losses, magpie, prompts
-from engine.spec_decode.train_eagle.batches import choose_draft_vocab, target_to_draft
+from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
 from engine.spec_decode.train_eagle.prompts import make_prompts
 
@@ -462,6 +462,8 @@ def test_training_script_end_to_end(tmp_path):
     assert warm["training"]["init_from"] == str(out) and warm["training"]["steps"] == 5
     assert warm["init_from_manifest"] == json.loads((out / "manifest.json").read_text())
     assert torch.equal(eagle_format.load_head(str(out4))[0]["d2t"], sd["d2t"])
+    train06 = split(features.load_features(str(work), "answers"), 0.6, 0)[0]
+    assert not torch.equal(choose_draft_vocab(train06, config["target_vocab_size"], 64), sd["d2t"])
     with pytest.raises(ValueError, match=r"--draft-vocab-size must be 64 .*got 32"):
         cli.main([*argv4, "--draft-vocab-size", "32", "--work-dir", str(tmp_path / "w5")])
     assert not (tmp_path / "w5").exists()  # checked before any stage

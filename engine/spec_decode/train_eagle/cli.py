@@ -108,11 +108,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
     return layers
 
 
-def _check_feature_layers(model_path: str, layers: tuple[int, ...]) -> None:
+def _check_feature_layers(num_layers: int, layers: tuple[int, ...]) -> None:
     """Before any stage runs: the head may read ``layers`` (``eagle_format.feature_layers_fit``)."""
-    from transformers import AutoConfig
-
-    num_layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
     if not eagle_format.feature_layers_fit(layers, num_layers):
         raise ValueError(
             f"--feature-layers must be below {num_layers - 1} (the target's last layer), "
@@ -120,13 +117,10 @@ def _check_feature_layers(model_path: str, layers: tuple[int, ...]) -> None:
         )
 
 
-def _init_vocabulary(args: argparse.Namespace, model_path: str) -> torch.Tensor:
+def _init_vocabulary(args: argparse.Namespace, vocab: int) -> torch.Tensor:
     """Before any stage: the ``--init-from`` head's draft vocabulary (d2t), which fine-tuning
-    keeps; the head must be for this target and of ``--draft-vocab-size`` tokens."""
-    from transformers import AutoConfig
-
+    keeps; the head must be for this target (``vocab`` tokens) and of ``--draft-vocab-size``."""
     state_dict, config = eagle_format.load_head(args.init_from)
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
     if config["target_vocab_size"] != vocab:
         raise ValueError(
             f"--init-from {args.init_from}: its head is for a target of "
@@ -197,6 +191,8 @@ def _bf16_autocast(choice: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoConfig
+
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -206,8 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
         model_path, target_name = default_model_dir(), DEFAULT_TARGET_NAME
     else:
         model_path, target_name = args.model, os.path.basename(os.path.normpath(args.model))
-    _check_feature_layers(model_path, args.feature_layers)
-    init_d2t = _init_vocabulary(args, model_path) if args.init_from else None
+    # before any stage: what the target's config decides
+    target_config = AutoConfig.from_pretrained(model_path)
+    _check_feature_layers(target_config.num_hidden_layers, args.feature_layers)
+    init_d2t = _init_vocabulary(args, target_config.vocab_size) if args.init_from else None
     work = args.work_dir
     meta = {
         "target_model": target_name,
