@@ -246,11 +246,12 @@ class LLMEngine:
         del self._owner[sample.seq.seq_id]
 
     def _abort(self, request: Request, error: Exception | None = None) -> RequestOutput:
-        """Finish every unfinished sample with "abort" and free its blocks."""
+        """Finish every sample not yet retired with "abort" and free its blocks (one that a
+        failed commit had just finished is not retired yet: it would hold its blocks forever)."""
         if error is not None:
             request.error = f"{type(error).__name__}: {error}"
         for sample in request.samples:
-            if not sample.finished:
+            if sample.seq.seq_id in self._owner:
                 sample.finish_reason = "abort"
                 self._retire(sample)
         for index in range(len(request.samples), request.params.n):  # forks never made

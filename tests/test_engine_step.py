@@ -88,6 +88,29 @@ def test_a_model_failure_mid_batch_aborts_only_its_request(tiny_llama, baseline)
     _check_others(final, baseline, "bad")
 
 
+def test_a_commit_failure_on_a_finishing_step_aborts_its_request_and_frees_its_blocks(
+    tiny_llama, baseline
+):
+    """The sample finished (max_tokens) before its commit failed: it must still be retired."""
+    engine = engine_for(tiny_llama)
+    commit = engine.spec.commit
+
+    def failing(seq, *args):
+        request, sample = engine._owner[seq.seq_id]
+        if request.request_id == "bad" and sample.finished:
+            raise RuntimeError("injected commit failure")
+        return commit(seq, *args)
+
+    engine.spec.commit = failing
+    final = run(
+        engine,
+        {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)},
+        late={"bad": ("x y z", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))},
+    )
+    _check_others(final, baseline, "bad")
+    assert not engine.scheduler.has_unfinished()
+
+
 def test_corrupted_params_abort_their_request_and_the_engine_keeps_serving(tiny_llama, baseline):
     engine = engine_for(tiny_llama)
     for i, p in enumerate(PROMPTS):
