@@ -126,14 +126,19 @@ class StepSampler:
         logits, batch, starts = self._batch(jobs)
         p = processed_probs(logits, batch)
         k = max(len(job.drafts) for job in jobs)
-        target = p.new_zeros(len(jobs), k + 1, p.shape[-1])
-        q = p.new_zeros(len(jobs), k, p.shape[-1])
-        drafts = torch.zeros(len(jobs), k, dtype=torch.long)
-        for s, (job, start) in enumerate(zip(jobs, starts, strict=True)):
-            n = len(job.drafts)
-            target[s, : n + 1] = p[start : start + n + 1]
-            q[s, :n] = job.draft_probs
-            drafts[s, :n] = torch.tensor(job.drafts)
+        if all(len(job.drafts) == k for job in jobs):  # no padding: p's rows as they lie
+            target = p.view(len(jobs), k + 1, p.shape[-1])
+            q = torch.stack([job.draft_probs for job in jobs])
+            drafts = torch.tensor([list(job.drafts) for job in jobs])
+        else:
+            target = p.new_zeros(len(jobs), k + 1, p.shape[-1])
+            q = p.new_zeros(len(jobs), k, p.shape[-1])
+            drafts = torch.zeros(len(jobs), k, dtype=torch.long)
+            for s, (job, start) in enumerate(zip(jobs, starts, strict=True)):
+                n = len(job.drafts)
+                target[s, : n + 1] = p[start : start + n + 1]
+                q[s, :n] = job.draft_probs
+                drafts[s, :n] = torch.tensor(job.drafts)
         seed = jobs[0].params.seed
         generator = self.sampler.generator if seed is None else _round_generator(jobs[0])
         out = rejection_sample(

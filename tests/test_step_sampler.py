@@ -1,11 +1,12 @@
-"""StepSampler's greedy fast path (argmax of the rows, no sampling batch) against the sampler."""
+"""StepSampler: the greedy fast path (argmax of the rows, no sampling batch) against the
+sampler, and sampled drafts handed to rejection_sample row for row."""
 
 import pytest
 import torch
 
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection import verify_deterministic_drafts
+from engine.spec_decode.rejection import rejection_sample, verify_deterministic_drafts
 from engine.step_sampler import SampleJob, StepSampler
 
 EOS = 3
@@ -65,3 +66,29 @@ def test_greedy_with_penalties_goes_through_the_penalised_sampler(gen):
     assert result.token_ids == [6]
     (plain,) = step_sampler()([SampleJob(SamplingParams(temperature=0), 0, 1, history, logits, [])])
     assert plain.token_ids == [4]
+
+
+@pytest.mark.parametrize("counts", [(2, 2, 2), (2, 1, 3, 3, 1, 2)])
+def test_sampled_drafts_reach_rejection_sample_row_for_row(gen, counts):
+    """A group of sampled-draft jobs (equal draft counts: p's rows as they lie; unequal: padded)
+    is verified exactly as ``rejection_sample`` verifies the same p, q and drafts padded by hand,
+    with the sampler's generator."""
+    vocab, k = 8, max(counts)
+    logits = [torch.randn(n + 1, vocab, generator=gen) * 2 for n in counts]
+    q = [(torch.randn(n, vocab, generator=gen) * 3).softmax(-1) for n in counts]
+    drafts = [torch.multinomial(rows, 1, generator=gen).view(-1).tolist() for rows in q]
+    params = SamplingParams(temperature=1.0)
+    jobs = [SampleJob(params, 0, 1, [1], *args) for args in zip(logits, drafts, q, strict=True)]
+    target = torch.zeros(len(counts), k + 1, vocab)
+    draft_probs = torch.zeros(len(counts), k, vocab)
+    draft_ids = torch.zeros(len(counts), k, dtype=torch.long)
+    for s, n in enumerate(counts):
+        target[s, : n + 1] = (logits[s] - logits[s].amax(-1, keepdim=True)).softmax(-1)
+        draft_probs[s, :n], draft_ids[s, :n] = q[s], torch.tensor(drafts[s])
+    expected = rejection_sample(
+        target, draft_ids, draft_probs, torch.tensor(counts), Sampler(seed=0).generator
+    )
+    results = step_sampler()(jobs)
+    assert [r.token_ids for r in results] == [
+        [t for t in row if t >= 0] for row in expected.tolist()
+    ]
