@@ -53,9 +53,11 @@ def eagle(head: str, k: int = 3) -> dict:
             "max_draft_skip": 0}  # fmt: skip
 
 
-def drafted(llm: LLM, min_drafts: int) -> list[tuple[list[int], list[int]]]:
+def drafted(
+    llm: LLM, min_drafts: int, params: SamplingParams | list[SamplingParams] = GREEDY
+) -> list[tuple[list[int], list[int]]]:
     """(the sequence's tokens, its drafts) of every proposal of at least ``min_drafts`` drafts
-    while ``llm`` answers two prompts greedily."""
+    while ``llm`` answers two prompts (greedily by default)."""
     proposer = llm.llm_engine.spec.proposer
     propose, seen = proposer.propose, []
 
@@ -67,7 +69,7 @@ def drafted(llm: LLM, min_drafts: int) -> list[tuple[list[int], list[int]]]:
         return proposal
 
     proposer.propose = recording
-    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
     return seen
 
 
@@ -162,3 +164,29 @@ def test_a_head_reading_layers_the_target_lacks_is_rejected(tiny_llama, tmp_path
     head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300, feature_layers=(0, 1))
     with pytest.raises(ValueError, match=r"reads the target's layers \[0, 1\]; this model has 2"):
         LLM(tiny_llama, num_kv_blocks=16, speculative_config=eagle(head))
+
+
+def test_a_head_fed_late_drafts_what_a_head_fed_every_step_drafts(tiny_llama, head):
+    """Speculation is off while two requests run (disable_batch_size 2): the long request feeds
+    nothing until its backlog passes max_deferred, then one span; when the short one finishes
+    it drafts again after feeding the rest. Its drafts equal those of a head fed every step."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (70, 45)]
+
+    def run(max_deferred: int) -> tuple[list, int]:
+        """Every proposal's (tokens, drafts), and how many spans the head ran."""
+        llm = LLM(tiny_llama, num_kv_blocks=128,
+                  speculative_config=eagle(head) | {"disable_batch_size": 2})  # fmt: skip
+        proposer = llm.llm_engine.spec.proposer
+        proposer.max_deferred = max_deferred
+        forward, spans = proposer.runner.forward, []
+        proposer.runner.forward = lambda s, **kw: spans.append(len(s)) or forward(s, **kw)
+        seen = drafted(llm, 0, params)
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        return seen, sum(spans)
+
+    late, late_spans = run(max_deferred=32)
+    every, every_spans = run(max_deferred=0)
+    assert sum(len(d) for _, d in late) > 20
+    assert late == every
+    assert late_spans < every_spans - 40  # most of the long request's off steps fed nothing

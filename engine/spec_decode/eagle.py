@@ -11,14 +11,19 @@ computed tokens, whose features earlier forwards produced), then drafts: d1 from
   from the head's own: accepted drafts are fed again); a block is registered for prefix caching
   only once the head's KV in it is valid too;
 - ``features`` holds the target's features for positions valid - 1 .. C - 1 (what the next
-  step feeds), taken from the step that computed them; a feature no forward produced (a
+  step feeds), taken from the steps that computed them; a feature no forward produced (a
   prefix-cache hit's last position, position -1) is zeros.
+
+A sequence that drafts nothing in a step (speculation off under load, backoff, a prompt chunk)
+is not fed then unless its backlog valid .. C exceeds ``max_deferred`` positions: its features
+pile up and a later step feeds them in one span. A step with speculation off thus costs the
+head nothing but a feature copy most of the time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +45,8 @@ from scheduler import ScheduledSequence
 
 # The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
 DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-eagle")
+# Positions a non-drafting sequence may leave unfed (a bound on its stored features: two blocks).
+MAX_DEFERRED = 32
 
 
 def load_eagle_head(
@@ -75,7 +82,7 @@ def load_eagle_head(
     return head
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _State:
     valid: int  # the head's KV covers positions < valid
     first: int  # position of features[0]
@@ -92,6 +99,7 @@ class EagleProposer:
         self.hidden_layers = self.head.feature_layers
         self.min_confidence = min_confidence
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
+        self.max_deferred = MAX_DEFERRED
         self._states: dict[int, _State] = {}
 
     def propose(
@@ -100,14 +108,21 @@ class EagleProposer:
         ks: list[int],
         params: list[SamplingParams | None],
     ) -> Proposal:
-        spans, features, written = [], [], {}
-        for s, k in zip(scheduled, ks, strict=True):
+        spans, features, written, fed = [], [], {}, []
+        for i, (s, k) in enumerate(zip(scheduled, ks, strict=True)):
             seq, end = s.seq, s.start  # feed positions valid..C, C = s.start
             state = self._states.get(seq.seq_id)
             start = s.start if state is None else min(state.valid, s.start)
+            if not k and state is not None and end + 1 - start <= self.max_deferred:
+                continue  # deferred: commit() keeps this step's features
+            fed.append(i)
             spans.append(Span(seq.token_ids[start : end + 1], start, 1 if k else 0, s.block_table))
             features.append(self._features(state, start, end + 1))
             written[seq.seq_id] = (end + 1, [])
+        drafts: list[list[int]] = [[] for _ in scheduled]
+        sampled: list[torch.Tensor | None] = [None] * len(scheduled)
+        if not fed:
+            return Proposal(drafts, sampled, written)
         h_last: dict[int, torch.Tensor] = {}  # scheduled index → h at its last span's end
 
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
@@ -119,9 +134,12 @@ class EagleProposer:
             return logits
 
         first_features = torch.cat(features)
-        drafts, sampled = chain_drafts(
-            scheduled, ks, params, spans, forward, self._draw, written, self.min_confidence
-        )
+        chains, qs = chain_drafts(
+            [scheduled[i] for i in fed], [ks[i] for i in fed], [params[i] for i in fed],
+            spans, forward, self._draw, written, self.min_confidence,
+        )  # fmt: skip
+        for i, chain, q in zip(fed, chains, qs, strict=True):
+            drafts[i], sampled[i] = chain, q
         return Proposal(drafts, sampled, written)
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
@@ -166,8 +184,15 @@ class EagleProposer:
         target: TargetStep,
     ) -> int | None:
         state = self._states.get(seq_id)
-        if written is None:
-            return None if state is None else state.valid
+        if written is None:  # deferred: the step's features join the stored ones
+            if state is None:
+                return None
+            assert target.first_position == state.first + state.features.shape[0]
+            new = target.hidden[: target.num_computed - target.first_position]
+            self._states[seq_id] = dataclasses.replace(
+                state, features=torch.cat([state.features, new])
+            )
+            return state.valid
         # The drafts' KV (computed from the head's own h) is not kept even where accepted:
         # the head was trained on KV from the target's features, so the next step feeds those
         # positions again with the real ones.
