@@ -100,6 +100,33 @@ def _check_range(
             raise ValueError(f"{name} must be {rule}, got {value} at row {i}")
 
 
+_ARGMAX_BLOCK, _ARGMAX_MIN_ROWS = 1024, 16
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a 2-D tensor, bit for bit: the lowest index of each row's maximum
+    (of its first NaN where it has one, as torch counts NaN the largest).
+
+    On the CPU torch's argmax reduction runs at ~1.5 G elements/s ([32, 49152] logits: 0.9 ms
+    in a loop) while amax is vectorised (0.05 ms). So: each row's 1024-wide block maxima, the
+    first block holding the row's maximum, the argmax within it (0.14 ms in a loop); a short
+    last block is read with its final column repeated, which ``argmax``'s first-occurrence
+    rule makes harmless. In the engine, right after a forward, its ten small ops cost ~0.3 ms
+    more: at 32 rows it took 0.61 ms to torch's 0.98, at 16 rows 0.49 to 0.55, at 8 rows 0.42
+    to 0.30; hence torch's below ``_ARGMAX_MIN_ROWS``.
+    """
+    rows, n = x.shape
+    if x.device.type != "cpu" or rows < _ARGMAX_MIN_ROWS or n < 2 * _ARGMAX_BLOCK:
+        return x.argmax(-1)
+    full = n // _ARGMAX_BLOCK * _ARGMAX_BLOCK
+    maxima = x[:, :full].unflatten(-1, (-1, _ARGMAX_BLOCK)).amax(-1)
+    if full < n:
+        maxima = torch.cat([maxima, x[:, full:].amax(-1, keepdim=True)], -1)
+    start = maxima.argmax(-1, keepdim=True) * _ARGMAX_BLOCK
+    columns = (start + torch.arange(_ARGMAX_BLOCK)).clamp_(max=n - 1)
+    return columns.gather(1, x.gather(1, columns).argmax(-1, keepdim=True)).squeeze(1)
+
+
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature → top-k → top-p → min-p, renormalised: float32 [N, V].
 
@@ -118,7 +145,7 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     has_greedy = batch.all_greedy or sampled is None or len(sampled) < logits.shape[0]
     temperature = batch.temperature
     if has_greedy:
-        one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(logits).scatter_(1, argmax_rows(logits)[:, None], 1.0)
         if batch.all_greedy:
             return one_hot
         greedy = temperature == 0
@@ -254,13 +281,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token id per row: int64 [N]."""
         if batch.all_greedy:
-            return logits.argmax(-1)  # no randomness consumed
+            return argmax_rows(logits)  # no randomness consumed
         rows = batch.sampled_rows
         if rows is None or len(rows) == logits.shape[0]:
             probs = processed_probs(logits, batch)
             return sample_from_probs(probs, batch.generators, self.generator)
         # greedy rows: the argmax (what sampling their one-hot rows returns), and they draw nothing
-        tokens = logits.argmax(-1)
+        tokens = argmax_rows(logits)
         sub = batch.take(rows)
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         probs = processed_probs(logits[index], sub)

@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import Sampler, SamplingBatch, processed_probs, token_logprobs
+from engine.sampler import Sampler, SamplingBatch, argmax_rows, processed_probs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.rejection import rejection_sample
 
@@ -102,7 +102,7 @@ class StepSampler:
             # generators; a batch-1 decode step spent ~0.2 ms in those.
             starts = list(accumulate((job.rows.shape[0] for job in jobs[:-1]), initial=0))
             logits = concat_rows([self._mask_min_tokens(job) for job in jobs])
-            samples = logits.argmax(-1).tolist()
+            samples = argmax_rows(logits).tolist()
         else:
             logits, batch, starts = self._batch(jobs)
             samples = self.sampler(logits, batch).tolist()

@@ -9,6 +9,7 @@ from stats import chi_square
 from engine.sampler import (
     Sampler,
     SamplingBatch,
+    argmax_rows,
     inverse_cdf,
     processed_probs,
     sample_from_probs,
@@ -79,6 +80,29 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     mixed = SamplingBatch.from_params(temperature, [3] * n, [0.9] * n, [0.1] * n)
     got = sampler(logits, mixed).tolist()
     assert got[1::2] == expected[1::2]
+
+
+@pytest.mark.parametrize("vocab", [100, 2048, 49152, 32000, 3000, 5 * 1024 + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_argmax_is_torch_argmax(vocab, dtype):
+    """Bit for bit torch's argmax: ties (the first), maxima in the short last block or at its
+    final column, NaN (the first NaN wins), rows all -inf, bf16 rows full of ties."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(24, vocab, generator=gen).to(dtype)
+    x[1] = 0.0  # all tied
+    x[2, [vocab // 3, vocab // 2]] = 100.0  # tie across blocks
+    x[3, -1] = 100.0  # the last column
+    x[4, vocab - 3 : vocab - 1] = 100.0  # tie inside the short last block
+    x[5, [7, vocab // 2]] = float("nan")  # NaN beats everything, the first one
+    x[6, [vocab // 2]] = float("nan")
+    x[6, 3] = float("inf")
+    x[7] = float("-inf")
+    x[8] = torch.randint(0, 3, (vocab,), generator=gen).to(dtype)  # many ties
+    x[9, vocab // 2 :] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    strided = x.t().contiguous().t()  # same values, column-major
+    assert torch.equal(argmax_rows(strided), x.argmax(-1))
+    assert torch.equal(argmax_rows(x[:3]), x[:3].argmax(-1))  # few rows: torch's own
 
 
 def test_tiny_temperature_is_finite_and_picks_the_max():
