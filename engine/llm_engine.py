@@ -18,6 +18,7 @@ happened.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -104,29 +105,37 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that progressed (and aborts since the last)."""
+        """Run one step; returns the requests that progressed (and aborts since the last).
+        A step that raises leaves the aborts' outputs to the next one."""
         outputs, self._aborted = self._aborted, []
+        try:
+            return outputs + self._step()
+        except BaseException:
+            self._aborted = outputs + self._aborted
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished():
-            return outputs
+            return []
         busy = len(self.scheduler.running) + len(self.scheduler.waiting)
         sched = self.scheduler.schedule(self.spec.lookahead(busy, self._params))
         for seq in sched.preempted:
             self.spec.release(seq.seq_id)  # its draft KV went with its blocks
         if sched.is_empty:
-            return outputs
+            return []
         try:
             result = self._execute(sched)
         except WorkerError:  # no request is at fault: the engine itself is gone
             raise
         except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
-            return outputs + self._isolate_failure(sched, error)
-        return outputs + self._commit(sched, result)
+            return self._isolate_failure(sched, error)
+        return self._commit(sched, result)
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         """Draft, forward, sample and verify; changes no sequence, request or proposer state."""
         self.runner.copy_blocks(sched.blocks_to_copy)
         self.spec.copy_blocks(sched.blocks_to_copy)
-        proposal = self.spec.propose(sched.scheduled, self._params)
+        proposal = self.spec.propose(sched.scheduled, self._draft_params)
         spans = [
             Span(
                 s.seq.token_ids[s.start : s.start + s.num_new_tokens] + drafts,
@@ -239,6 +248,19 @@ class LLMEngine:
 
     def _params(self, seq: Sequence) -> SamplingParams:
         return self._owner[seq.seq_id][0].params
+
+    def _draft_params(self, seq: Sequence) -> SamplingParams:
+        """What a drafter samples ``seq``'s drafts with: its request's params, the seed of a
+        seeded request's sample i > 0 mixed with i (drafters seed by (seed, position), and n
+        samples sharing one seed would share their drafts: the same tokens wherever their
+        histories meet)."""
+        request, sample = self._owner[seq.seq_id]
+        params = request.params
+        if params.seed is None or sample.index == 0:
+            return params
+        return dataclasses.replace(
+            params, seed=hash((params.seed, sample.index)) & 0x7FFF_FFFF_FFFF_FFFF
+        )
 
     def _retire(self, sample: SampleState) -> None:
         self.scheduler.finish(sample.seq)

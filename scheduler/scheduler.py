@@ -169,7 +169,9 @@ class Scheduler:
         bm.commit(seq.seq_id, seq.token_ids, min(num_computed, num_cacheable))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` (a copy of ``parent``'s tokens) shares its blocks, copy-on-write."""
+        """``child`` (a copy of ``parent``'s tokens) shares its blocks, copy-on-write, and
+        takes one of the seats ``parent`` held for its forks (n forks later it holds 1)."""
+        parent.seats -= 1
         child.num_computed_tokens = parent.num_computed_tokens
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.status = SequenceStatus.RUNNING

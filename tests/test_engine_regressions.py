@@ -105,3 +105,21 @@ def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
     base = torch.arange(400.0)
     odd = [base.as_strided((1, 4), (100, 1), 0), base.as_strided((1, 4), (4, 1), 4)]
     assert torch.equal(step_sampler.concat_rows(odd), base[:8].view(2, 4))
+
+
+def test_seeded_samples_of_one_request_draw_independent_drafts(tiny_llama):
+    """n = 2 seeded samples, the target drafting for itself (p = q: every draft is accepted, so
+    a sample's drafts are its tokens). Drafting from one seed, the two samples agreed on tokens
+    2-5 wherever their first tokens agreed (19 pairs of 19); drawn independently they may not."""
+    draft = {"method": "draft", "draft_model": tiny_llama, "num_speculative_tokens": 4,
+             "max_draft_skip": 0, "disable_batch_size": 1000}  # fmt: skip
+    llm = LLM(tiny_llama, num_kv_blocks=256, speculative_config=draft)
+    params = [SamplingParams(n=2, temperature=1.0, top_k=2, seed=seed, max_tokens=6,
+                             ignore_eos=True) for seed in range(40)]  # fmt: skip
+    outs = llm.generate(["one two three"] * 40, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 100
+    pairs = [(o.outputs[0].token_ids, o.outputs[1].token_ids) for o in outs]
+    meeting = [(a, b) for a, b in pairs if a[0] == b[0]]
+    assert len(meeting) >= 10
+    assert sum(a[1:5] == b[1:5] for a, b in meeting) <= len(meeting) // 4

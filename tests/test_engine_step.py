@@ -265,3 +265,42 @@ def test_draft_model_never_writes_a_registered_block_and_prefills_in_chunks(tiny
     # the draft's prefill is chunked like the target's: a step's draft tokens stay within the
     # budget plus one catch-up token per sequence
     assert max(largest) <= 16 + 2
+
+
+def test_an_abort_output_survives_a_step_that_raises(tiny_llama, baseline):
+    """An abort's final output is handed out by the next step; if that step raises (a failure
+    no request causes alone), the step after it still hands it out."""
+    engine = engine_for(tiny_llama)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    engine.step()
+    engine.abort_request("0")
+    forward = engine.runner.forward
+
+    def batch_fails(spans):
+        if len(spans) > 1:
+            raise RuntimeError("injected transient failure")
+        return forward(spans)
+
+    engine.runner.forward = batch_fails
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.step()
+    engine.runner.forward = forward
+    final = run(engine, {})
+    assert final["0"].outputs[0].finish_reason == "abort"
+    assert {rid: o.outputs[0].token_ids for rid, o in final.items() if rid != "0"} == {
+        rid: tokens for rid, tokens in baseline.items() if rid != "0"
+    }
+
+
+def test_a_request_of_n_samples_holds_n_seats_once_forked(tiny_llama):
+    """max_num_seqs counts sequences: a prompt holds n seats for its forks, and once forked
+    its n samples hold n, so a new request takes the seat left."""
+    engine = engine_for(tiny_llama, max_num_seqs=3)
+    engine.add_request("n2", "one two three", SamplingParams(n=2, max_tokens=12, ignore_eos=True))
+    engine.step()  # the prompt is done: two samples run
+    engine.add_request("late", "four five", GREEDY)
+    engine.step()
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (3, 0)
+    run(engine, {})
