@@ -271,6 +271,28 @@ def sample_from_probs(
     return inverse_cdf(probs, uniforms)
 
 
+def race_from_probs(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Sample one id per row of probs [N, V] (weights >= 0) by the exponential race: the argmax
+    of w_i / E_i, E_i ~ Exp(1) in float64, is i with probability w_i / sum(w); a zero lane
+    never wins (a row with no weight returns 0). Three ops where ``inverse_cdf`` runs fifteen
+    (a drafter's row took 0.29 ms there), at V draws per row instead of one: the drafters use
+    it, the target keeps ``sample_from_probs``'s one uniform per seeded row. Rows draw as in
+    ``sample_from_probs``: a seeded row from its own generator, the others together."""
+
+    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
+        shape = (m, probs.shape[1])
+        return (torch.empty(shape, dtype=torch.float64, device=probs.device).exponential_(
+            generator=gen),)  # fmt: skip
+
+    rows = [shared_generator if g is None else g for g in generators]
+    (races,) = draw_rows(rows, draw)
+    return (probs.double() / races).argmax(-1)
+
+
 class Sampler:
     """Turns logits [N, V] into one token per row; owns the generator for unseeded rows."""
 

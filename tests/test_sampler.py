@@ -12,6 +12,7 @@ from engine.sampler import (
     argmax_rows,
     inverse_cdf,
     processed_probs,
+    race_from_probs,
     sample_from_probs,
     token_logprobs,
 )
@@ -205,6 +206,30 @@ def test_padding_lanes_and_zero_weights_are_never_sampled():
     counts = torch.bincount(ids, minlength=vocab)
     stat, threshold = chi_square(counts, weights[0] / 4)
     assert stat < threshold
+
+
+def test_the_exponential_race_follows_the_weights_and_seeded_rows_keep_their_draws():
+    """race_from_probs: frequencies follow w / sum(w) (unnormalised, zero lanes, a tiny lane)
+    at the p = 1e-4 chi-square quantile; a zero lane never wins; a row with no weight gives 0;
+    a seeded row's sample does not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(13)
+    n, vocab = 40_000, 300
+    weights = torch.zeros(vocab)
+    weights[[0, 7, 150, 299]] = torch.tensor([0.5, 3.0, 1.0, 0.02])
+    ids = race_from_probs(weights.expand(n, vocab), [None] * n, gen)
+    counts = torch.bincount(ids, minlength=vocab)
+    assert counts[weights == 0].sum() == 0
+    stat, threshold = chi_square(counts, weights / weights.sum())
+    assert stat < threshold
+    assert race_from_probs(torch.zeros(2, vocab), [None] * 2, gen).tolist() == [0, 0]
+
+    def seeded() -> torch.Generator:
+        return torch.Generator().manual_seed(99)
+
+    probs = torch.rand(3, vocab, generator=gen)
+    alone = race_from_probs(probs[1:2], [seeded()], gen)
+    beside = race_from_probs(probs, [None, seeded(), None], gen)
+    assert beside[1] == alone[0]
 
 
 def test_inverse_cdf_over_many_chunks_follows_the_weights():
