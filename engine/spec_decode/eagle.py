@@ -45,7 +45,7 @@ from scheduler import ScheduledSequence
 
 # The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
 DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-eagle")
-# Positions a non-drafting sequence may leave unfed (a bound on its stored features: two blocks).
+# Positions a non-drafting sequence may leave unfed: the bound on the features it stores.
 MAX_DEFERRED = 32
 
 
@@ -123,7 +123,7 @@ class EagleProposer:
         sampled: list[torch.Tensor | None] = [None] * len(scheduled)
         if not fed:
             return Proposal(drafts, sampled, written)
-        h_last: dict[int, torch.Tensor] = {}  # scheduled index → h at its last span's end
+        h_last: dict[int, torch.Tensor] = {}  # index in fed → h at its last span's end
 
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
             # first call: the target's features; then each draft's input is the previous h
