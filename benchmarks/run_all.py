@@ -34,7 +34,7 @@ FULL = {
     "accuracy": "accuracy",
 }
 # Issue 17's comparison with llama.cpp: 64-token prompts, 64 greedy tokens, batch 1 and 32;
-# each system's fastest of 5 runs (of 2, batch 1 moved by up to 15% between two runs).
+# each system's fastest of 5 runs (with 2, batch 1 moved by up to 15% from run to run).
 PEER_RUN = "throughput --batch-sizes 1,32 --input-len 64 --output-len 64 --repeats 5 "
 PEER_RUN += "--peers llamacpp --precision {p} --tag throughput-llamacpp-{p}"
 

@@ -284,9 +284,8 @@ def race_from_probs(
     ``sample_from_probs``: a seeded row from its own generator, the others together."""
 
     def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
-        shape = (m, probs.shape[1])
-        return (torch.empty(shape, dtype=torch.float64, device=probs.device).exponential_(
-            generator=gen),)  # fmt: skip
+        races = torch.empty((m, probs.shape[1]), dtype=torch.float64, device=probs.device)
+        return (races.exponential_(generator=gen),)
 
     rows = [shared_generator if g is None else g for g in generators]
     (races,) = draw_rows(rows, draw)
