@@ -9,7 +9,10 @@ setup(
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",
-        "transformers>=4.46",
+        # 5.25 made Hugging Face's `kernels` package a hard dependency, and transformers imports
+        # it by that name whenever it is installed: our top-level `kernels/` shadows it and every
+        # model config import fails (ImportError: cannot import name 'CUDAProperties').
+        "transformers>=4.46,<5.25",
         "xformers; platform_system == 'Linux' and platform_machine == 'x86_64'",
         "numpy",
         "safetensors",
