@@ -20,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -34,17 +35,28 @@ using IVec = at::vec::Vectorized<int32_t>;
 constexpr int64_t V = Vec::size();
 constexpr int64_t kCols = 16;          // output columns per panel, whatever the SIMD level
 constexpr int64_t kLine = 2 * kCols;   // bf16 values per k pair of a panel (64 bytes)
-constexpr int kPanels = 4;             // panels per tile (plain product)
-// Up to kFewRows rows, tiles of 2 panels: twice the groups, so that 2 threads split layers of
-// 36 or 60 panels (SmolLM2's) evenly, where groups of 4 leave one thread a group more.
+// Panels per tile: 4 for the plain product, 2 up to kFewRows rows (twice the groups, so that 2
+// threads split layers of 36 or 60 panels (SmolLM2's) evenly, where groups of 4 leave one
+// thread a group more), and 2 gate + 2 up panels for the gated product. On AVX2 the widening
+// path wants rows more than panels (below), so there the plain and gated tiles take 1 panel.
+constexpr int kPanels = V >= 16 ? 4 : 1;
 constexpr int64_t kFewRows = 4;
 constexpr int kFewRowsPanels = 2;
-constexpr int kGatedPanels = 2;        // gate panels per tile (and as many up panels)
+constexpr int kGatedPanels = V >= 16 ? 2 : 1;  // gate panels per tile (and as many up panels)
+constexpr bool kSplitGated = V < 16;
 constexpr int64_t kChunkRows = 256;
-// Most rows per tile. Registers: R * 4 accumulators + 4 weight lines (dot: 6 x 4 of 32 zmm);
-// widening takes two more per line and, on AVX2, two vectors per panel (16 ymm in all).
+// Most rows per tile. Registers: R * 4 accumulators + 4 weight lines (dot: 6 x 4 of 32 zmm).
 constexpr int kDotRows = 6;
-constexpr int kWidenRows = V >= 16 ? 4 : 1;
+// Widening costs a shift and a mask per weight vector, shared by the R rows of a tile: with one
+// row a tile spends as many integer ops as FMAs (bf16 ran at 0.85x the fp32 kernel's FLOP/s at
+// 32 rows on a Zen 3). So a tile takes up to 4 rows, as many as kWidenSums accumulators hold
+// (Q panels of kCols / V vectors per row), leaving room for the widened pair and broadcasts.
+constexpr int kWidenSums = V >= 16 ? 16 : 8;
+template <int Q>
+constexpr int widen_rows() {
+  constexpr int fit = kWidenSums / (Q * (kCols / V));
+  return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
+}
 
 // The path the products run: vdpbf16ps on bf16 x pairs, or bf16 -> float32 shifts and FMAs.
 enum class Path { kDot, kWiden };
@@ -73,14 +85,32 @@ void accumulate_widen(const float* x, int64_t ldx, const uint16_t* const (&panel
   const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
     for (int j = 0; j < Q; ++j) {
-      for (int s = 0; s < S; ++s) {
+      if constexpr (S == 1) {
         // V lanes of (w[c][2k], w[c][2k+1]): the low half is the even k (little endian).
-        const IVec w = IVec::loadu(panels[j] + k * kLine + s * 2 * V);
+        const IVec w = IVec::loadu(panels[j] + k * kLine);
         const Vec even = at::vec::cast<float>(w << shift), odd = at::vec::cast<float>(w & high);
         for (int i = 0; i < R; ++i) {
           const float* xi = x + i * ldx + 2 * k;
-          acc[i][j][s] = at::vec::fmadd(Vec(xi[1]), odd, at::vec::fmadd(Vec(xi[0]), even,
-                                                                         acc[i][j][s]));
+          acc[i][j][0] = at::vec::fmadd(Vec(xi[1]), odd, at::vec::fmadd(Vec(xi[0]), even,
+                                                                         acc[i][j][0]));
+        }
+      } else {
+        // The panel's S vectors widened first, then each row's two broadcasts over them: GCC
+        // then keeps 4 rows x 1 panel (8 sums) in AVX2's 16 registers. Widening per vector, as
+        // the S == 1 branch does, GCC kept every row's broadcasts live and spilled sums: the
+        // model's linears at 32 rows took 114 ms against 61 ms this way on a Zen 3.
+        Vec even[S], odd[S];
+        for (int s = 0; s < S; ++s) {
+          const IVec w = IVec::loadu(panels[j] + k * kLine + s * 2 * V);
+          even[s] = at::vec::cast<float>(w << shift);
+          odd[s] = at::vec::cast<float>(w & high);
+        }
+        for (int i = 0; i < R; ++i) {
+          const Vec x_even(x[i * ldx + 2 * k]), x_odd(x[i * ldx + 2 * k + 1]);
+          for (int s = 0; s < S; ++s) {
+            acc[i][j][s] = at::vec::fmadd(x_odd, odd[s], at::vec::fmadd(x_even, even[s],
+                                                                        acc[i][j][s]));
+          }
         }
       }
     }
@@ -158,7 +188,7 @@ struct Out {
 
 // fn(R as a constant, first row, group) over tiles of rows in chunks of kChunkRows rows and
 // groups of panels split across threads.
-template <typename Fn>
+template <int Q, typename Fn>
 void over_tiles(Path path, int64_t M, int64_t groups, const Fn& fn) {
   for (int64_t m = 0; m < M; m += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m);
@@ -167,7 +197,7 @@ void over_tiles(Path path, int64_t M, int64_t groups, const Fn& fn) {
         if (path == Path::kDot) {
           row_tiles<kDotRows, true>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
         } else {
-          row_tiles<kWidenRows, true>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
+          row_tiles<widen_rows<Q>(), true>(rows, [&](auto r, int64_t i) { fn(r, m + i, g); });
         }
       }
     });
@@ -262,7 +292,7 @@ template <int Q>
 void plain_product(Path path, const Rows& x, int64_t M, const uint16_t* wp, int64_t panels,
                    int64_t K2, const float* bias, int64_t N, const Out& o) {
   const int64_t groups = (panels + Q - 1) / Q;
-  over_tiles(path, M, groups, [&](auto tile_rows, int64_t row, int64_t g) {
+  over_tiles<Q>(path, M, groups, [&](auto tile_rows, int64_t row, int64_t g) {
     constexpr int R = decltype(tile_rows)::value;
     const int64_t first = g * Q;
     const uint16_t* ptrs[Q];
@@ -358,8 +388,11 @@ at::Tensor linear_silu_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
   const Out o = output_of(out);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   constexpr int P = kGatedPanels;
+  // Tiles of Q panels: the gate and up panels in one tile, or on AVX2 (kSplitGated) one tile of
+  // the gate panels and one of the up panels, each of 4 rows (a joint tile of 2 rows spilled).
+  constexpr int Q = kSplitGated ? P : 2 * P;
   const int64_t groups = (half + P - 1) / P;
-  over_tiles(path, x.size(0), groups, [&](auto tile_rows, int64_t row, int64_t g) {
+  over_tiles<Q>(path, x.size(0), groups, [&](auto tile_rows, int64_t row, int64_t g) {
     constexpr int R = decltype(tile_rows)::value;
     const int64_t first = g * P;
     const uint16_t* ptrs[2 * P];
@@ -367,14 +400,27 @@ at::Tensor linear_silu_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
       ptrs[j] = wp + std::min(first + j, half - 1) * K2 * kLine;
       ptrs[P + j] = ptrs[j] + half * K2 * kLine;
     }
-    float sums[R][2 * P * kCols];
-    accumulate<R, 2 * P>(path, prep.rows, row, ptrs, K2, sums);
+    float gate[R][P * kCols], up[R][P * kCols];
+    if constexpr (kSplitGated) {
+      const uint16_t* gate_ptrs[P];
+      const uint16_t* up_ptrs[P];
+      std::copy(ptrs, ptrs + P, gate_ptrs);
+      std::copy(ptrs + P, ptrs + 2 * P, up_ptrs);
+      accumulate<R, P>(path, prep.rows, row, gate_ptrs, K2, gate);
+      accumulate<R, P>(path, prep.rows, row, up_ptrs, K2, up);
+    } else {
+      float sums[R][2 * P * kCols];
+      accumulate<R, 2 * P>(path, prep.rows, row, ptrs, K2, sums);
+      for (int i = 0; i < R; ++i) {
+        std::copy(sums[i], sums[i] + P * kCols, gate[i]);
+        std::copy(sums[i] + P * kCols, sums[i] + 2 * P * kCols, up[i]);
+      }
+    }
     const int64_t cols = std::min(P * kCols, intermediate - first * kCols);
     for (int i = 0; i < R; ++i) {
       float act[P * kCols];
       for (int64_t c = 0; c < cols; ++c) {
-        const float gate = sums[i][c];
-        act[c] = gate / (1.f + std::exp(-gate)) * sums[i][P * kCols + c];
+        act[c] = gate[i][c] / (1.f + std::exp(-gate[i][c])) * up[i][c];
       }
       o.store(row + i, first * kCols, act, cols);
     }
