@@ -38,11 +38,15 @@ constexpr int64_t kLine = 2 * kCols;   // bf16 values per k pair of a panel (64 
 // Panels per tile: 4 for the plain product, 2 up to kFewRows rows (twice the groups, so that 2
 // threads split layers of 36 or 60 panels (SmolLM2's) evenly, where groups of 4 leave one
 // thread a group more), and 2 gate + 2 up panels for the gated product. On AVX2 the widening
-// path wants rows more than panels (below), so there the plain and gated tiles take 1 panel.
+// path wants rows more than panels (below), so there the plain tiles take 1 panel.
 constexpr int kPanels = V >= 16 ? 4 : 1;
 constexpr int64_t kFewRows = 4;
 constexpr int kFewRowsPanels = 2;
-constexpr int kGatedPanels = V >= 16 ? 2 : 1;  // gate panels per tile (and as many up panels)
+constexpr int kGatedPanels = 2;  // gate panels per tile (and as many up panels)
+// On AVX2, past kFewRows rows, the gated product runs as tiles of 1 gate panel and tiles of 1
+// up panel (4 rows each: a joint tile held 2 rows and spilled); up to kFewRows rows, where the
+// weights stream from memory, the joint tiles of 2 + 2 panels keep more loads in flight (the
+// split tiles took 1.3x their time at 1 row on a Zen 3).
 constexpr bool kSplitGated = V < 16;
 constexpr int64_t kChunkRows = 256;
 // Most rows per tile. Registers: R * 4 accumulators + 4 weight lines (dot: 6 x 4 of 32 zmm).
@@ -85,19 +89,21 @@ void accumulate_widen(const float* x, int64_t ldx, const uint16_t* const (&panel
   const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
     for (int j = 0; j < Q; ++j) {
-      if constexpr (S == 1) {
-        // V lanes of (w[c][2k], w[c][2k+1]): the low half is the even k (little endian).
-        const IVec w = IVec::loadu(panels[j] + k * kLine);
-        const Vec even = at::vec::cast<float>(w << shift), odd = at::vec::cast<float>(w & high);
-        for (int i = 0; i < R; ++i) {
-          const float* xi = x + i * ldx + 2 * k;
-          acc[i][j][0] = at::vec::fmadd(Vec(xi[1]), odd, at::vec::fmadd(Vec(xi[0]), even,
-                                                                         acc[i][j][0]));
+      if constexpr (S == 1 || R == 1) {
+        for (int s = 0; s < S; ++s) {
+          // V lanes of (w[c][2k], w[c][2k+1]): the low half is the even k (little endian).
+          const IVec w = IVec::loadu(panels[j] + k * kLine + s * 2 * V);
+          const Vec even = at::vec::cast<float>(w << shift), odd = at::vec::cast<float>(w & high);
+          for (int i = 0; i < R; ++i) {
+            const float* xi = x + i * ldx + 2 * k;
+            acc[i][j][s] = at::vec::fmadd(Vec(xi[1]), odd, at::vec::fmadd(Vec(xi[0]), even,
+                                                                           acc[i][j][s]));
+          }
         }
       } else {
         // The panel's S vectors widened first, then each row's two broadcasts over them: GCC
         // then keeps 4 rows x 1 panel (8 sums) in AVX2's 16 registers. Widening per vector, as
-        // the S == 1 branch does, GCC kept every row's broadcasts live and spilled sums: the
+        // the branch above does, GCC kept every row's broadcasts live and spilled sums: the
         // model's linears at 32 rows took 114 ms against 61 ms this way on a Zen 3.
         Vec even[S], odd[S];
         for (int s = 0; s < S; ++s) {
@@ -309,6 +315,49 @@ void plain_product(Path path, const Rows& x, int64_t M, const uint16_t* wp, int6
   });
 }
 
+// silu(gate) * up over tiles of P gate panels and the P up panels half further on: one tile of
+// 2P panels, or (Split) a tile of the P gate panels and one of the P up panels, each with as
+// many rows as the registers then hold.
+template <int P, bool Split>
+void gated_product(Path path, const Rows& x, int64_t M, const uint16_t* wp, int64_t half,
+                   int64_t K2, int64_t intermediate, const Out& o) {
+  constexpr int Q = Split ? P : 2 * P;
+  const int64_t groups = (half + P - 1) / P;
+  over_tiles<Q>(path, M, groups, [&](auto tile_rows, int64_t row, int64_t g) {
+    constexpr int R = decltype(tile_rows)::value;
+    const int64_t first = g * P;
+    const uint16_t* ptrs[2 * P];
+    for (int j = 0; j < P; ++j) {  // gate panels, then the up panels half further on
+      ptrs[j] = wp + std::min(first + j, half - 1) * K2 * kLine;
+      ptrs[P + j] = ptrs[j] + half * K2 * kLine;
+    }
+    float gate[R][P * kCols], up[R][P * kCols];
+    if constexpr (Split) {
+      const uint16_t* gate_ptrs[P];
+      const uint16_t* up_ptrs[P];
+      std::copy(ptrs, ptrs + P, gate_ptrs);
+      std::copy(ptrs + P, ptrs + 2 * P, up_ptrs);
+      accumulate<R, P>(path, x, row, gate_ptrs, K2, gate);
+      accumulate<R, P>(path, x, row, up_ptrs, K2, up);
+    } else {
+      float sums[R][2 * P * kCols];
+      accumulate<R, 2 * P>(path, x, row, ptrs, K2, sums);
+      for (int i = 0; i < R; ++i) {
+        std::copy(sums[i], sums[i] + P * kCols, gate[i]);
+        std::copy(sums[i] + P * kCols, sums[i] + 2 * P * kCols, up[i]);
+      }
+    }
+    const int64_t cols = std::min(P * kCols, intermediate - first * kCols);
+    for (int i = 0; i < R; ++i) {
+      float act[P * kCols];
+      for (int64_t c = 0; c < cols; ++c) {
+        act[c] = gate[i][c] / (1.f + std::exp(-gate[i][c])) * up[i][c];
+      }
+      o.store(row + i, first * kCols, act, cols);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
@@ -387,44 +436,13 @@ at::Tensor linear_silu_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
   auto out = at::empty({x.size(0), intermediate}, x.options());
   const Out o = output_of(out);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  constexpr int P = kGatedPanels;
-  // Tiles of Q panels: the gate and up panels in one tile, or on AVX2 (kSplitGated) one tile of
-  // the gate panels and one of the up panels, each of 4 rows (a joint tile of 2 rows spilled).
-  constexpr int Q = kSplitGated ? P : 2 * P;
-  const int64_t groups = (half + P - 1) / P;
-  over_tiles<Q>(path, x.size(0), groups, [&](auto tile_rows, int64_t row, int64_t g) {
-    constexpr int R = decltype(tile_rows)::value;
-    const int64_t first = g * P;
-    const uint16_t* ptrs[2 * P];
-    for (int j = 0; j < P; ++j) {  // gate panels, then the up panels half further on
-      ptrs[j] = wp + std::min(first + j, half - 1) * K2 * kLine;
-      ptrs[P + j] = ptrs[j] + half * K2 * kLine;
+  if constexpr (kSplitGated) {
+    if (x.size(0) > kFewRows) {
+      gated_product<1, true>(path, prep.rows, x.size(0), wp, half, K2, intermediate, o);
+      return out;
     }
-    float gate[R][P * kCols], up[R][P * kCols];
-    if constexpr (kSplitGated) {
-      const uint16_t* gate_ptrs[P];
-      const uint16_t* up_ptrs[P];
-      std::copy(ptrs, ptrs + P, gate_ptrs);
-      std::copy(ptrs + P, ptrs + 2 * P, up_ptrs);
-      accumulate<R, P>(path, prep.rows, row, gate_ptrs, K2, gate);
-      accumulate<R, P>(path, prep.rows, row, up_ptrs, K2, up);
-    } else {
-      float sums[R][2 * P * kCols];
-      accumulate<R, 2 * P>(path, prep.rows, row, ptrs, K2, sums);
-      for (int i = 0; i < R; ++i) {
-        std::copy(sums[i], sums[i] + P * kCols, gate[i]);
-        std::copy(sums[i] + P * kCols, sums[i] + 2 * P * kCols, up[i]);
-      }
-    }
-    const int64_t cols = std::min(P * kCols, intermediate - first * kCols);
-    for (int i = 0; i < R; ++i) {
-      float act[P * kCols];
-      for (int64_t c = 0; c < cols; ++c) {
-        act[c] = gate[i][c] / (1.f + std::exp(-gate[i][c])) * up[i][c];
-      }
-      o.store(row + i, first * kCols, act, cols);
-    }
-  });
+  }
+  gated_product<kGatedPanels, false>(path, prep.rows, x.size(0), wp, half, K2, intermediate, o);
   return out;
 }
 
