@@ -14,11 +14,11 @@ the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the
 so torch.set_num_threads applies to the kernels too.
 """
 
+import fcntl
 import functools
 import hashlib
 import logging
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -37,8 +37,6 @@ _SOURCES = (
     "cpu_linear_bf16.cpp",
     "cpu_layer_stack.cpp",
 )
-# A build takes about 3 minutes on 2 cores; a lock older than this belongs to no live build.
-STALE_LOCK_S = 20 * 60
 # torch.backends.cpu.get_cpu_capability() -> the flags that select ATen's matching Vectorized.
 _SIMD_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
@@ -60,27 +58,20 @@ def load() -> ModuleType:
     name = build_name(simd, flags, _CSRC)
     build_dir = Path(cpp_extension.get_default_build_root()) / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(build_dir / "lock")
-    return cpp_extension.load(
-        name=name,
-        build_directory=str(build_dir),
-        sources=[str(_CSRC / source) for source in _SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-    )
-
-
-def clear_stale_lock(lock: Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """Remove a build lock older than any build. torch holds ``lock`` while it compiles and
-    releases it in a ``finally``, so a build killed by a signal (a timeout's SIGTERM) leaves it
-    behind, and every later process would wait on it forever."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > max_age_s:
-        logger.warning("removing %s, left %.0f min ago by a build that was killed", lock, age / 60)
-        lock.unlink(missing_ok=True)
+    # One process at a time loads (and if need be builds) this build, under a flock that the
+    # kernel releases when its holder dies. torch's own ``lock`` file is released only in a
+    # ``finally``: a build killed by a signal leaves it, and every later load would wait on it
+    # forever. Holding the flock, no live load of ours is building here, so a ``lock`` is stale.
+    with open(build_dir / "pagedspec.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name=name,
+            build_directory=str(build_dir),
+            sources=[str(_CSRC / source) for source in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+        )
 
 
 def _cpu_flags() -> set[str]:

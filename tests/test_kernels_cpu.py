@@ -4,8 +4,7 @@ Problems come from kernels.testing.make_paged_problem, which poisons every cache
 owns with NaN: a kernel that reads past seq_len or past a table row's used entries fails here.
 """
 
-import os
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,15 +330,20 @@ def test_build_name_follows_sources_flags_and_versions(tmp_path, monkeypatch):
     assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) != name
 
 
-def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
-    """A lock older than any build is removed (a later load would wait on it forever); a
-    fresh one, a build under way in another process, is kept."""
-    lock = tmp_path / "lock"
-    lock.touch()
-    cpu_extension.clear_stale_lock(lock)
-    assert lock.exists()
-    old = time.time() - cpu_extension.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    cpu_extension.clear_stale_lock(lock)
-    assert not lock.exists()
-    cpu_extension.clear_stale_lock(lock)  # none: nothing to do
+def test_a_lock_left_by_a_killed_build_does_not_block_a_load(tmp_path, monkeypatch):
+    """torch's build ``lock``, left behind by a build killed mid-way, is removed before torch
+    would wait on it forever (the load holds our flock, so no live load is building there)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    built = []
+
+    def fake_load(name, build_directory, **_):
+        assert not (Path(build_directory) / "lock").exists(), "torch would wait on this lock"
+        built.append(Path(build_directory))
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    cpu_extension.load.__wrapped__()
+    (built[0] / "lock").touch()  # a fresh lock: a build killed a moment ago
+    assert cpu_extension.load.__wrapped__() == built[0].name
