@@ -24,8 +24,10 @@ from engine.default_model import default_model_dir
 from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_of
 from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
+from engine.models.huge_pages import WeightArena, aligned
 from engine.models.layers import Linear, RMSNorm
 from engine.models.llama import STACKED, head_dim_of
+from engine.models.quant import Empty
 from kernels import cpu_extension
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -132,14 +134,15 @@ def load_model(
         check_tp_shapes(config, shard.size)
     with default_dtype(dtype), torch.device("meta"):
         net = cls(config, shard)
-    _materialize(net, device)
+    arena, in_arena = _pack_memory(net, device, dtype, quantization)
+    _materialize(net, device, {key: arena.empty for key in in_arena})
     net.eval().requires_grad_(False)
     linears = {id(m.weight): m for m in net.modules() if isinstance(m, Linear)}
     formats = linear_formats(net, quantization) if quantization else {}
 
     def quantize(param: nn.Parameter) -> None:  # as soon as loaded: no float32 model whole
         if id(param) in linears:
-            linears[id(param)].quantize(formats[id(param)])
+            linears[id(param)].quantize(formats[id(param)], arena.empty)
 
     on_loaded = quantize if quantization else None
     if weights is None and shard.size > 1:
@@ -149,7 +152,7 @@ def load_model(
     else:
         net.load_weights(weights, on_loaded)
     for key, module in linears.items():  # the rest (dummy weights); a no-op for those done
-        module.quantize(formats[key]) if quantization else module.prepack()
+        module.quantize(formats[key], arena.empty) if quantization else module.prepack()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path)
 
 
@@ -316,9 +319,33 @@ def _dummy_weights(
             yield name.replace(f".{fused}.", f".{part}."), pieces[index]
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
+def _pack_memory(
+    net: nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> tuple[WeightArena, set[int]]:
+    """The arena on 2 MB pages for the Linear weights' packs (``engine.models.huge_pages``) of
+    ``net`` (on the meta device), and the ids of the weights whose float data goes there:
+    those packed in place, N a multiple of 16 and K even (no float32 or bf16 pack needs new
+    memory then; one that did would strand its weight's float pages in the arena). Quantised
+    packs go there as they are made. Empty where nothing is packed (not the CPU in float32 or
+    bf16, or no C++ kernels)."""
+    weights = {id(m.weight): m.weight for m in net.modules() if isinstance(m, Linear)}
+    packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if not packed or not cpu_extension.available():
+        return WeightArena(0), set()
+    if quantization:  # at most 2 bytes a weight (Q8_0: 1.0625), padded to whole panels
+        bound = sum(2 * (w.shape[0] + 16) * (w.shape[1] + 32) for w in weights.values())
+        return WeightArena(bound), set()
+    in_place = {k: w for k, w in weights.items() if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
+    capacity = sum(aligned(w.numel() * w.element_size()) for w in in_place.values())
+    return WeightArena(capacity), set(in_place)
+
+
+def _materialize(
+    model: nn.Module, device: torch.device, allocators: dict[int, Empty] | None = None
+) -> None:
     """Give a model built on the meta device uninitialised parameters on ``device`` (tied ones
-    stay tied) and move its buffers there (computed on the CPU at construction, e.g. rope's).
+    stay tied) and move its buffers there (computed on the CPU at construction, e.g. rope's);
+    ``allocators[id(meta param)](shape, dtype)`` makes the data of those it names.
 
     Loading fills every parameter, so none is initialised first: a page of a parameter becomes
     resident only when its weight is copied in, and loading's peak memory is the weights plus
@@ -329,7 +356,12 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in new:
-                empty = torch.empty_like(param, device=device)
+                make = (allocators or {}).get(id(param))
+                empty = (
+                    make(tuple(param.shape), param.dtype)
+                    if make
+                    else torch.empty_like(param, device=device)
+                )
                 new[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
             module.register_parameter(name, new[id(param)])
     model.to(device)

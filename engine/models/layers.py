@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.quant import quantize_weight, quantized_weight
+from engine.models.quant import Empty, quantize_weight, quantized_weight, torch_empty
 from kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
@@ -94,12 +94,13 @@ class Linear(nn.Linear):
         ):
             pack_weight(weight)
 
-    def quantize(self, fmt: str = "q8_0") -> None:
+    def quantize(self, fmt: str = "q8_0", empty: Empty = torch_empty) -> None:
         """Quantise the weight to GGUF block format ``fmt`` ("q8_0" or "q4_1",
         ``engine.models.quant``) for the C++ kernel and drop its float data, as ``prepack``
-        does (float32 activations; CPU only). A no-op for a weight already quantised."""
+        does (float32 activations; CPU only), its packs allocated by ``empty``. A no-op for a
+        weight already quantised."""
         if quantized_weight(self.weight) is None:
-            quantize_weight(self.weight, fmt)
+            quantize_weight(self.weight, fmt, empty)
 
     def unpack(self) -> None:
         """Give the weight its plain data back (a no-op for a plain weight; a quantised weight
@@ -221,19 +222,19 @@ def pack_weight(weight: nn.Parameter) -> None:
         ext.pack_linear_weight_bf16_ if weight.dtype == torch.bfloat16 else ext.pack_linear_weight_
     )
     pack = packer(weight.detach())
-    weight.data = _placeholder(weight)
+    weight.data = placeholder(weight)
     weight.pack = (pack, weight.data_ptr())
 
 
-def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+def placeholder(weight: torch.Tensor) -> torch.Tensor:
     """A packed weight's data: one NaN of its dtype broadcast to its shape (4 bytes)."""
     return torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The pack standing in for ``weight``'s data, or None while the weight is plain."""
-    pack, placeholder = getattr(weight, "pack", (None, None))
-    return pack if pack is not None and weight.data_ptr() == placeholder else None
+    pack, address = getattr(weight, "pack", (None, None))
+    return pack if pack is not None and weight.data_ptr() == address else None
 
 
 def unpack_weight(weight: torch.Tensor) -> None:
@@ -271,7 +272,7 @@ def _deepcopy_packed(module: nn.Module, memo: dict) -> nn.Module:
     if fixed or (pack is None and quant is None):
         return new
     copied = new.weight
-    copied.data = _placeholder(weight)
+    copied.data = placeholder(weight)
     if pack is not None:
         copied.pack = (copy.deepcopy(pack, memo), copied.data_ptr())
     else:

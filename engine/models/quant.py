@@ -24,8 +24,13 @@ from engine.models.quant_q4 import q4_rows, q4_unpacked, quantize_q4_1
 from kernels import cpu_extension
 
 Q8_BLOCK = 32
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> new tensor
 # Rows quantised at a time (a multiple of every SIMD width): bounds the temporaries.
 _ROWS_PER_PASS = 256
+
+
+def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +139,7 @@ class QuantizedWeight:
         return FORMATS[self.format].unpacked((self.q, self.scales), shape)
 
 
-def quantize_weight(weight: nn.Parameter, fmt: str = "q8_0") -> None:
+def quantize_weight(weight: nn.Parameter, fmt: str = "q8_0", empty: Empty = torch_empty) -> None:
     """Replace a CPU weight [N, K]'s data by its packed quantisation in ``fmt`` (FORMATS), in
     place.
 
@@ -142,7 +147,7 @@ def quantize_weight(weight: nn.Parameter, fmt: str = "q8_0") -> None:
     only memory beside the float weight is the pack itself and one pass's temporaries. As
     ``pack_weight``: the Parameter stays, its data becomes a NaN placeholder, and the pack
     (``weight.quantized``, a QuantizedWeight) counts only while the placeholder is the
-    Parameter's data.
+    Parameter's data. ``empty(shape, dtype)`` allocates the packs (the loader's WeightArena).
     """
     spec = FORMATS[fmt]
     pack = getattr(cpu_extension.load(), spec.pack)
@@ -154,8 +159,8 @@ def quantize_weight(weight: nn.Parameter, fmt: str = "q8_0") -> None:
         if packs is None:
             panels = -(-rows // width)
             packs = (
-                torch.empty(panels, *part_q.shape[1:], dtype=part_q.dtype),
-                torch.empty(panels, *part_s.shape[1:], dtype=part_s.dtype),
+                empty((panels, *part_q.shape[1:]), part_q.dtype),
+                empty((panels, *part_s.shape[1:]), part_s.dtype),
             )
         first = start // width
         packs[0][first : first + len(part_q)] = part_q
