@@ -352,16 +352,17 @@ def test_loaded_cpu_model_is_prepacked(tmp_path):
     model = load_model(str(tmp_path), dtype="float32", device="cpu").model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m._pack_is_current() for m in linears)
-    # one copy of the weights: the packs (a few padding columns) and the unpacked rest
+    # one copy of the weights: the packs (a few padding columns; their own bytes, as they share
+    # one mapping on 2 MB pages) and the unpacked rest
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
-    packs = sum(m.packed.untyped_storage().nbytes() for m in linears)
+    packs = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     plain = sum(p.untyped_storage().nbytes() for p in model.parameters())
     assert weight_bytes <= packs + plain <= 1.05 * weight_bytes
     bf16 = load_model(str(tmp_path), dtype="bfloat16", device="cpu").model
     linears = [m for m in bf16.modules() if isinstance(m, Linear)]  # the bf16 kernel's packs
     assert all(m._pack_is_current() and m.packed.dtype == torch.bfloat16 for m in linears)
     weight_bytes = sum(p.numel() * 2 for p in bf16.parameters())
-    packs = sum(m.packed.untyped_storage().nbytes() for m in linears)
+    packs = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     plain = sum(p.untyped_storage().nbytes() for p in bf16.parameters())
     assert weight_bytes <= packs + plain <= 1.05 * weight_bytes
 
