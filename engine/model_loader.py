@@ -24,7 +24,7 @@ from engine.default_model import default_model_dir
 from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_of
 from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
-from engine.models.huge_pages import WeightArena, aligned
+from engine.models.huge_pages import ALIGN, WeightArena, aligned
 from engine.models.layers import Linear, RMSNorm
 from engine.models.llama import STACKED, head_dim_of
 from engine.models.quant import Empty
@@ -332,8 +332,11 @@ def _pack_memory(
     packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if not packed or not cpu_extension.available():
         return WeightArena(0), set()
-    if quantization:  # at most 2 bytes a weight (Q8_0: 1.0625), padded to whole panels
-        bound = sum(2 * (w.shape[0] + 16) * (w.shape[1] + 32) for w in weights.values())
+    if quantization:  # Q8_0's 1 + 2/32 bytes a weight (Q4_1: 0.5 + 4/32), whole panels and blocks
+        bound = sum(
+            -(-w.shape[0] // 16) * 16 * -(-w.shape[1] // 32) * 34 + 2 * ALIGN
+            for w in weights.values()
+        )
         return WeightArena(bound), set()
     in_place = {k: w for k, w in weights.items() if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
     capacity = sum(aligned(w.numel() * w.element_size()) for w in in_place.values())

@@ -3,6 +3,7 @@ back from a 2 MB boundary, with no float weight stranded in it, and the same bit
 it. Huge pages are forced "available": where THP is off the kernel ignores the advice, and
 where the packs go is what is under test."""
 
+import copy
 from collections import defaultdict
 
 import pytest
@@ -71,3 +72,24 @@ def test_packs_made_back_to_back_on_huge_pages_give_the_same_bits(
     assert_same_bits(
         run_schedule(model, SCHEDULE, backend="cpu"), run_schedule(plain, SCHEDULE, backend="cpu")
     )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_copied_linear_copies_its_own_pack_not_the_arena(precision, tmp_path, monkeypatch):
+    save_tiny(LlamaConfig(**COMMON), tmp_path)
+    model = load_with(tmp_path, precision, monkeypatch, thp=True)
+    layer = copy.deepcopy(model.model.layers[0].mlp.down_proj)
+    pack, quant = packed_weight(layer.weight), quantized_weight(layer.weight)
+    for t in [pack] if pack is not None else [quant.q, quant.scales]:
+        assert t.untyped_storage().nbytes() == nbytes(t)
+
+
+def test_a_refused_mapping_leaves_ordinary_memory(monkeypatch):
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: True)
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    t = huge_pages.WeightArena(1 << 20).empty((4, 8), torch.float32)
+    assert t.shape == (4, 8) and t.untyped_storage().nbytes() == 128

@@ -47,15 +47,19 @@ class WeightArena:
     """``capacity`` bytes of one anonymous mapping advised MADV_HUGEPAGE, from a 2 MB boundary.
 
     ``empty`` hands out tensors back to back (each ALIGN-aligned); what no longer fits, and
-    everything where huge pages are unavailable, gets ordinary ``torch.empty`` memory. The
-    mapping lives as long as any tensor from it; memory once handed out is not reused."""
+    everything where huge pages are unavailable or the mapping is refused, gets ordinary
+    ``torch.empty`` memory. The mapping lives as long as any tensor from it (so one pack kept
+    after ``unpack`` or ``.to()`` keeps all of it), and memory once handed out is not reused."""
 
     def __init__(self, capacity: int) -> None:
         self._arena: torch.Tensor | None = None
         self._next = 0
         if capacity > 0 and huge_pages_available():
             # 2 MB of slack to start on a boundary; pages never written cost no memory
-            region = mmap.mmap(-1, capacity + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                region = mmap.mmap(-1, capacity + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError:  # refused (overcommit): ordinary memory then
+                return
             region.madvise(mmap.MADV_HUGEPAGE)
             self._arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps it mapped
             self._next = -self._arena.data_ptr() % HUGE_PAGE

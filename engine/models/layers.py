@@ -273,11 +273,13 @@ def _deepcopy_packed(module: nn.Module, memo: dict) -> nn.Module:
         return new
     copied = new.weight
     copied.data = placeholder(weight)
+    # clones, not deepcopies: a pack is a view of the loader's one arena for all of them
+    # (engine.models.huge_pages), whose whole storage a deepcopy would copy
     if pack is not None:
-        copied.pack = (copy.deepcopy(pack, memo), copied.data_ptr())
+        copied.pack = (pack.clone(), copied.data_ptr())
     else:
         copied.quantized = dataclasses.replace(
-            copy.deepcopy(quant, memo), placeholder=copied.data_ptr()
+            quant, q=quant.q.clone(), scales=quant.scales.clone(), placeholder=copied.data_ptr()
         )
     return new
 
