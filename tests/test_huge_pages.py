@@ -4,6 +4,7 @@ it. Huge pages are forced "available": where THP is off the kernel ignores the a
 where the packs go is what is under test."""
 
 import copy
+import mmap
 from collections import defaultdict
 
 import pytest
@@ -17,9 +18,12 @@ from engine.models.layers import packed_weight
 from engine.models.quant import quantized_weight
 from kernels import cpu_extension
 
-pytestmark = pytest.mark.skipif(
-    not cpu_extension.available(), reason="the C++ CPU kernels cannot be built here"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_extension.available(), reason="the C++ CPU kernels cannot be built here"
+    ),
+    pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here"),
+]
 
 CONFIGS = {
     "tied": dict(tie_word_embeddings=True, attention_bias=True),
