@@ -25,9 +25,8 @@ from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_o
 from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
 from engine.models.huge_pages import ALIGN, WeightArena, aligned
-from engine.models.layers import Linear, RMSNorm
+from engine.models.layers import Linear, RMSNorm, packs_in_place
 from engine.models.llama import STACKED, head_dim_of
-from engine.models.quant import Empty
 from kernels import cpu_extension
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -135,7 +134,7 @@ def load_model(
     with default_dtype(dtype), torch.device("meta"):
         net = cls(config, shard)
     arena, in_arena = _pack_memory(net, device, dtype, quantization)
-    _materialize(net, device, {key: arena.empty for key in in_arena})
+    _materialize(net, device, arena, in_arena)
     net.eval().requires_grad_(False)
     linears = {id(m.weight): m for m in net.modules() if isinstance(m, Linear)}
     formats = linear_formats(net, quantization) if quantization else {}
@@ -324,10 +323,9 @@ def _pack_memory(
 ) -> tuple[WeightArena, set[int]]:
     """The arena on 2 MB pages for the Linear weights' packs (``engine.models.huge_pages``) of
     ``net`` (on the meta device), and the ids of the weights whose float data goes there:
-    those packed in place, N a multiple of 16 and K even (no float32 or bf16 pack needs new
-    memory then; one that did would strand its weight's float pages in the arena). Quantised
-    packs go there as they are made. Empty where nothing is packed (not the CPU in float32 or
-    bf16, or no C++ kernels)."""
+    those packed in place (``packs_in_place``; a weight whose pack were new memory would
+    strand its float pages in the arena). Quantised packs go there as they are made. Empty
+    where nothing is packed (not the CPU in float32 or bf16, or no C++ kernels)."""
     weights = {id(m.weight): m.weight for m in net.modules() if isinstance(m, Linear)}
     packed = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if not packed or not cpu_extension.available():
@@ -338,17 +336,17 @@ def _pack_memory(
             for w in weights.values()
         )
         return WeightArena(bound), set()
-    in_place = {k: w for k, w in weights.items() if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
+    in_place = {k: w for k, w in weights.items() if packs_in_place(w.shape)}
     capacity = sum(aligned(w.numel() * w.element_size()) for w in in_place.values())
     return WeightArena(capacity), set(in_place)
 
 
 def _materialize(
-    model: nn.Module, device: torch.device, allocators: dict[int, Empty] | None = None
+    model: nn.Module, device: torch.device, arena: WeightArena, in_arena: set[int]
 ) -> None:
     """Give a model built on the meta device uninitialised parameters on ``device`` (tied ones
     stay tied) and move its buffers there (computed on the CPU at construction, e.g. rope's);
-    ``allocators[id(meta param)](shape, dtype)`` makes the data of those it names.
+    the data of the (meta) parameters whose ids are ``in_arena`` comes from ``arena``.
 
     Loading fills every parameter, so none is initialised first: a page of a parameter becomes
     resident only when its weight is copied in, and loading's peak memory is the weights plus
@@ -359,10 +357,9 @@ def _materialize(
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in new:
-                make = (allocators or {}).get(id(param))
                 empty = (
-                    make(tuple(param.shape), param.dtype)
-                    if make
+                    arena.empty(tuple(param.shape), param.dtype)
+                    if id(param) in in_arena
                     else torch.empty_like(param, device=device)
                 )
                 new[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)

@@ -226,6 +226,13 @@ def pack_weight(weight: nn.Parameter) -> None:
     weight.pack = (pack, weight.data_ptr())
 
 
+def packs_in_place(shape: torch.Size) -> bool:
+    """Whether ``pack_weight`` packs a float32 or bf16 weight of ``shape`` [N, K] in its own
+    memory at every SIMD width: N a multiple of 16 (float32 panels are 8 or 16 wide, bf16's 16)
+    and K even (bf16 pairs). Other weights' packs are new memory."""
+    return shape[0] % 16 == 0 and shape[1] % 2 == 0
+
+
 def placeholder(weight: torch.Tensor) -> torch.Tensor:
     """A packed weight's data: one NaN of its dtype broadcast to its shape (4 bytes)."""
     return torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape)
