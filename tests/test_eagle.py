@@ -190,3 +190,43 @@ def test_a_head_fed_late_drafts_what_a_head_fed_every_step_drafts(tiny_llama, he
     assert sum(len(d) for _, d in late) > 20
     assert late == every
     assert late_spans < every_spans - 40  # most of the long request's off steps fed nothing
+
+
+def test_draft_steps_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, head):
+    """A draft step (every span one token, each a logit row) runs the head's layer in the C++
+    stack where it applies; its logits and h equal the Python path's bit for bit, step by step
+    over two greedy answers (the same drafts, so the same steps)."""
+
+    def run(stack: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """The head's (logits, h) of every forward, and how many ran the stack."""
+        config = eagle(head) | {"min_draft_confidence": 0.0}  # chains of k: 2 draft steps each
+        llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=config)
+        proposer = llm.llm_engine.spec.proposer
+        forward, outputs, ran = proposer.runner.forward, [], []
+        layer_stack = proposer.head.layer_stack
+        if stack:
+            run_stack = layer_stack.run
+
+            def spy(*args):
+                out = run_stack(*args)
+                ran.append(out is not None)
+                return out
+
+            layer_stack.run = spy
+        else:
+            proposer.head.layer_stack = None
+
+        def recording(spans, **kw):
+            outputs.append(forward(spans, **kw))
+            return outputs[-1]
+
+        proposer.runner.forward = recording
+        drafted(llm, 0)
+        return outputs, sum(ran)
+
+    with_stack, ran = run(stack=True)
+    python, _ = run(stack=False)
+    assert ran > 20
+    assert len(with_stack) == len(python)
+    for (logits, h), (want_logits, want_h) in zip(with_stack, python, strict=True):
+        assert torch.equal(h, want_h) and torch.equal(logits, want_logits)
