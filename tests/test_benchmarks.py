@@ -128,7 +128,7 @@ def test_timed_run_of_a_fake_engine_gives_known_ttft_and_tpot():
 
 def test_decode_ceiling_is_the_slower_of_memory_and_compute():
     cost = {"num_params": 10**9, "weight_bytes": 2 * 10**9}
-    rates = {"bandwidth_gbs": 100.0, "matmul_gflops": 1000.0}
+    rates = {"read_bandwidth_gbs": 100.0, "matmul_gflops": 1000.0}
     # Reading 2 GB at 100 GB/s takes 20 ms; B tokens of compute take 2 ms * B.
     assert throughput.decode_ceiling(1, cost, rates) == pytest.approx(1 / 0.02)
     assert throughput.decode_ceiling(10, cost, rates) == pytest.approx(10 / 0.02)
