@@ -210,42 +210,91 @@ def test_prompts_mix_in_chat_templates_after_the_base_ones():
     assert sum(map(is_chat, a[prompts.BASE_ONLY :])) > 40
 
 
-class _FakeLLM:
-    """``LLM.chat`` stand-in: answers each conversation with as many tokens as its prompt has
-    characters; raises on the call numbered ``fail_at``."""
+class _FakeAnswer:
+    """``data.answer`` stand-in: answers each conversation with as many tokens as its prompt has
+    characters, no features; raises on the call numbered ``fail_at``."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.calls, self.fail_at = 0, fail_at
 
-    def chat(self, conversations, params, use_tqdm=False):
+    def __call__(self, llm, conversations, temperatures, max_tokens, layers):
         self.calls += 1
         if self.calls == self.fail_at:
             raise KeyboardInterrupt("killed mid-stage")
-        return [
-            SimpleNamespace(
-                prompt_token_ids=[1, 2],
-                outputs=[
-                    SimpleNamespace(token_ids=[3] * len(c[0]["content"]), finish_reason="stop")
-                ],
-            )
-            for c in conversations
-        ]
+        records = [
+            {"prompt_ids": [1, 2], "answer_ids": [3] * len(c[0]["content"]), "temperature": t,
+             "finish_reason": "stop"}
+            for c, t in zip(conversations, temperatures, strict=True)
+        ]  # fmt: skip
+        return records, None
 
 
-def test_answer_timings_survive_a_killed_run(tmp_path):
+def test_answer_timings_survive_a_killed_run(tmp_path, monkeypatch):
     """Each finished chunk's tokens and seconds are recorded as it is written: a run killed in
     its second chunk has recorded the first, and the resumed run records the rest once."""
     prompts = [f"question {'?' * i}" for i in range(10)]
     recorded: list[dict] = []
+    monkeypatch.setattr(data, "answer", _FakeAnswer(fail_at=2))
     with pytest.raises(KeyboardInterrupt):
-        data.generate_answers(lambda: _FakeLLM(fail_at=2), prompts, str(tmp_path), 8, 4,
-                              recorded.append)  # fmt: skip
+        data.generate_answers(lambda: None, prompts, str(tmp_path), 8, 4, recorded.append)
     assert [r["answer_tokens"] for r in recorded] == [sum(len(p) for p in prompts[:4])]
-    data.generate_answers(lambda: _FakeLLM(), prompts, str(tmp_path), 8, 4, recorded.append)
+    monkeypatch.setattr(data, "answer", _FakeAnswer())
+    data.generate_answers(lambda: None, prompts, str(tmp_path), 8, 4, recorded.append)
     written = data.load_conversations(str(tmp_path))
     assert [r["prompt"] for r in written] == prompts
     assert sum(r["answer_tokens"] for r in recorded) == sum(len(r["answer_ids"]) for r in written)
     assert len(recorded) == 3 and all(r["seconds"] >= 0 for r in recorded)
+
+
+def _prefilled(model: str, convs: list[dict], layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Stage 2's teacher-forced features of each conversation's tokens."""
+    runner = features.target_runner(model, 512)
+    return features.sequence_features(runner, [c["tokens"].tolist() for c in convs], 256, layers)
+
+
+def test_stage_1_captures_the_features_stage_2_would_compute(tiny_llama, tmp_path):
+    """Stage 1 writes each chunk's features (layer 0's hidden states and the final ones) as it
+    answers, all but each conversation's last token, so stage 2 has nothing left to do; they
+    are stage 2's teacher-forced features of the same tokens."""
+    topics = ["foxes", "dogs", "rain"] * 3
+    prompts = [f"Tell me {i} things about {w}." for i, w in enumerate(topics)]
+    work = str(tmp_path)
+    data.generate_answers(lambda: data.make_llm(tiny_llama, 4, 0), prompts, work, 12, 4,
+                          layers=(0,))  # fmt: skip
+    features.compute_features(lambda: pytest.fail("stage 2 ran"), work, "answers", layers=(0,))
+    convs, records = features.load_features(work, "answers"), data.load_conversations(work)
+    assert len(convs) == len(records) == len(prompts)
+    for conv, record in zip(convs, records, strict=True):
+        whole = record["prompt_ids"] + record["answer_ids"]
+        assert conv["tokens"].tolist() == whole[:-1] and conv["prompt_len"] == len(
+            record["prompt_ids"]
+        )
+    for conv, want in zip(convs, _prefilled(tiny_llama, convs, (0,)), strict=True):
+        assert conv["features"].shape == want.shape == (len(conv["tokens"]), 2 * 64)
+        torch.testing.assert_close(conv["features"].float(), want.float(), rtol=0.02, atol=2e-3)
+
+
+def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
+    """Prompt chunks, decode steps, and a preempted sequence's recomputation: each position's
+    features are those of its last computation, equal to a teacher-forced prefill's."""
+    from engine import LLM, SamplingParams
+    from engine.spec_decode.train_eagle.capture import generate_with_features
+
+    llm = LLM(tiny_llama, num_kv_blocks=12, max_num_batched_tokens=24, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (40, 9, 33, 20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    outs, feats = generate_with_features(llm, prompts, params, ())
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_total_blocks
+    convs = [{"tokens": torch.tensor(p + list(o.outputs[0].token_ids)[:-1])}
+             for p, o in zip(prompts, outs, strict=True)]  # fmt: skip
+    for got, want in zip(feats, _prefilled(tiny_llama, convs, ()), strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=2e-3)
+    assert llm.llm_engine.spec.proposer is None  # the engine's own manager is back
+    with pytest.raises(ValueError, match="without prefix caching"):
+        generate_with_features(LLM(tiny_llama, num_kv_blocks=16), prompts, params, ())
 
 
 class _CharTokenizer:

@@ -231,16 +231,16 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
         # stage 1 starts from a freshly seeded engine whether or not stage 0 ran in this process
         llm_factory.cache_clear()
+    layers = args.feature_layers
     data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
-                          functools.partial(_timings, work, "stage1_answers"))  # fmt: skip
+                          functools.partial(_timings, work, "stage1_answers"), layers)  # fmt: skip
     if chat:
-        data.generate_heldout_chat(llm_factory, chat, work, args.max_tokens)
+        data.generate_heldout_chat(llm_factory, chat, work, args.max_tokens, layers)
     if llm_factory.cache_info().currsize:
         llm_factory.cache_clear()  # frees the engine's KV memory before stage 2
 
     runner = functools.cache(lambda: features.target_runner(
         model_path, 2 * args.feature_batch_tokens))  # fmt: skip
-    layers = args.feature_layers
     features.compute_features(runner, work, "answers", args.feature_batch_tokens,
                               functools.partial(_timings, work, "stage2_features"),
                               layers)  # fmt: skip
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     head_params = sum(v.numel() for k, v in state_dict.items() if k != "d2t")
     history = state["history"]
-    answer_tokens = sum(len(c["tokens"]) - c["prompt_len"] for c in convs)
+    records = data.load_conversations(work)  # the whole conversations (features lack a token)
+    answer_tokens = sum(len(r["answer_ids"]) for r in records)
     covered = sum(int((t2d[c["tokens"][c["prompt_len"] :]] >= 0).sum()) for c in heldout)
     manifest = {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
             "sequences": len(convs),
             "train_sequences": len(train),
             "heldout_sequences": len(heldout),
-            "tokens": sum(len(c["tokens"]) for c in convs),
+            "tokens": sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records),
             "answer_tokens": answer_tokens,
             "answers": f"half greedy, half temperature {data.SAMPLED_TEMPERATURE}, "
             f"max {args.max_tokens} tokens, answered by pagedspec",

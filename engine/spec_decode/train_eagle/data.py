@@ -1,8 +1,10 @@
 """Stage 1: self-distilled conversations. Each instruction goes through the target's chat template
 and is answered by our engine (even indices greedy, odd ones at temperature 0.7; the engine's seed
 makes a chunk reproducible, per-request seeds would slow sampling down); the token
-ids of prompt and answer are saved in chunk files under ``<work_dir>/answers/``. A finished chunk
-is never redone, so a killed run resumes at the first missing chunk."""
+ids of prompt and answer are saved in chunk files under ``<work_dir>/answers/``, and the features
+the target computed while answering (``capture``) in the chunk's feature file, written first, so
+that stage 2 finds them. A finished chunk is never redone, so a killed run resumes at the first
+missing chunk."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from engine.spec_decode.train_eagle.capture import generate_with_features
 
 SAMPLED_TEMPERATURE = 0.7
 
@@ -34,12 +40,48 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _answer(llm, conversations: list, temperatures: list[float], max_tokens: int) -> list[dict]:
+def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
+    stem = chunk_file.removesuffix(".jsonl")
+    return os.path.join(work_dir, "features", f"{name}_{stem}.safetensors")
+
+
+def write_features(
+    path: str, records: list[dict], feats: list[torch.Tensor], layers: tuple[int, ...]
+) -> None:
+    """One chunk's feature file, written then renamed: each conversation's first L - 1 tokens
+    and their features [L - 1, (len(layers) + 1) H], whichever stage computed them. The last
+    token is left out: stage 1 never feeds it, and position i is trained to predict token
+    i + 1, so the last position would be trained on what follows the answer."""
+    seqs = [(r["prompt_ids"] + r["answer_ids"])[:-1] for r in records]
+    feats = [f[: len(s)] for f, s in zip(feats, seqs, strict=True)]
+    if any(len(f) < len(s) for f, s in zip(feats, seqs, strict=True)):
+        raise ValueError("every conversation needs the features of all its tokens but the last")
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    tensors = {
+        "features": torch.cat(feats),
+        "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.long),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "prompt_lens": torch.tensor([len(r["prompt_ids"]) for r in records]),
+        "temperatures": torch.tensor([float(r["temperature"]) for r in records]),
+        "feature_layers": torch.tensor(layers, dtype=torch.long),
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def answer(
+    llm, conversations: list, temperatures: list[float], max_tokens: int, layers: tuple[int, ...]
+) -> tuple[list[dict], list[torch.Tensor] | None]:
+    """The records of ``llm``'s answers and their features (None if some conversation lacks
+    any: stage 2 then computes the chunk's)."""
     from engine import SamplingParams
+    from engine.llm import render_chat
 
     params = [SamplingParams(temperature=t, max_tokens=max_tokens) for t in temperatures]
-    outs = llm.chat(conversations, params, use_tqdm=False)
-    return [
+    prompts = [render_chat(llm.tokenizer, c)[1] for c in conversations]
+    outs, feats = generate_with_features(llm, prompts, params, layers)
+    records = [
         {
             "prompt_ids": list(out.prompt_token_ids),
             "answer_ids": list(out.outputs[0].token_ids),
@@ -48,12 +90,16 @@ def _answer(llm, conversations: list, temperatures: list[float], max_tokens: int
         }
         for out, t in zip(outs, temperatures, strict=True)
     ]
+    return records, None if any(f is None for f in feats) else feats
 
 
 def make_llm(model: str, max_num_seqs: int, seed: int):
+    """Stage 0 and 1's engine: float32 as stage 2's target; no prefix cache, since a cached
+    position's features are never computed."""
     from engine import LLM
 
-    return LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, seed=seed)
+    return LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, seed=seed,
+               enable_prefix_caching=False)  # fmt: skip
 
 
 def generate_answers(
@@ -63,10 +109,12 @@ def generate_answers(
     max_tokens: int,
     chunk_size: int,
     on_chunk: Callable[[dict], object] | None = None,
+    layers: tuple[int, ...] = (),
 ) -> None:
-    """Answer every prompt, chunk by chunk, skipping finished chunks. ``llm_factory()`` builds
-    the engine (only if some chunk is missing). ``on_chunk`` gets each written chunk's seconds
-    and answer tokens (a run killed mid-stage has recorded every chunk it finished)."""
+    """Answer every prompt, chunk by chunk, skipping finished chunks, and keep the features of
+    ``layers`` (stage 2's) made on the way. ``llm_factory()`` builds the engine (only if some
+    chunk is missing). ``on_chunk`` gets each written chunk's seconds and answer tokens (a run
+    killed mid-stage has recorded every chunk it finished)."""
     num_chunks = (len(prompts) + chunk_size - 1) // chunk_size
     todo = [i for i in range(num_chunks) if not os.path.isfile(chunk_path(work_dir, "answers", i))]
     if not todo:
@@ -81,11 +129,15 @@ def generate_answers(
         idx = list(range(i * chunk_size, min(len(prompts), (i + 1) * chunk_size)))
         conversations = [[{"role": "user", "content": prompts[j]}] for j in idx]
         temps = [0.0 if j % 2 == 0 else SAMPLED_TEMPERATURE for j in idx]
-        records = _answer(llm, conversations, temps, max_tokens)
+        records, feats = answer(llm, conversations, temps, max_tokens, layers)
         for j, r in zip(idx, records, strict=True):
             r["index"] = j
             r["prompt"] = prompts[j]
-        write_jsonl(chunk_path(work_dir, "answers", i), records)
+        path = chunk_path(work_dir, "answers", i)
+        if feats is not None:
+            write_features(feature_path(work_dir, "answers", os.path.basename(path)), records,
+                           feats, layers)  # fmt: skip
+        write_jsonl(path, records)
         tokens = sum(len(r["answer_ids"]) for r in records)
         answered += tokens
         now = time.perf_counter()
@@ -104,16 +156,21 @@ def load_conversations(work_dir: str, name: str = "answers") -> list[dict]:
     return [r for f in files for r in read_jsonl(os.path.join(folder, f))]
 
 
-def generate_heldout_chat(llm_factory, path: str, work_dir: str, max_tokens: int) -> int:
+def generate_heldout_chat(
+    llm_factory, path: str, work_dir: str, max_tokens: int, layers: tuple[int, ...] = ()
+) -> int:
     """Greedy answers to the held-out chat prompts (``{"messages": [...]}`` per line), saved as
-    one chunk under ``<work_dir>/heldout_chat/``; returns how many."""
+    one chunk under ``<work_dir>/heldout_chat/`` with their features; returns how many."""
     out = chunk_path(work_dir, "heldout_chat", 0)
     if os.path.isfile(out):
         return len(read_jsonl(out))
     conversations = [r["messages"] for r in read_jsonl(path)]
     llm = llm_factory()
-    records = _answer(llm, conversations, [0.0] * len(conversations), max_tokens)
+    records, feats = answer(llm, conversations, [0.0] * len(conversations), max_tokens, layers)
     for j, r in enumerate(records):
         r["index"] = j
+    if feats is not None:
+        write_features(feature_path(work_dir, "heldout_chat", os.path.basename(out)), records,
+                       feats, layers)  # fmt: skip
     write_jsonl(out, records)
     return len(records)

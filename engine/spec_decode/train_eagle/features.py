@@ -1,4 +1,6 @@
-"""Stage 2: the target's features by teacher forcing. The engine's own float32 target (the
+"""Stage 2: the target's features by teacher forcing, for the chunks whose features stage 1 did not
+capture while answering (a work dir of older runs, or other ``feature_layers``). The engine's own
+float32 target (the
 packed CPU kernels and paged attention that compute the features the head is fed when serving)
 runs over each whole conversation (prompt + answer), one packed prefill of many conversations at
 a time, and keeps the final hidden state after the final norm (what the target feeds its LM
@@ -16,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.spec_decode.train_eagle.data import read_jsonl
+from engine.spec_decode.train_eagle.data import feature_path, read_jsonl, write_features
 
 
 def load_target(model_path: str):
@@ -45,11 +47,6 @@ def target_runner(model_path: str, num_tokens: int):
         *model_kv_shape(loaded.config), num_blocks, block_size, torch.float32, cpu
     )
     return ModelRunner(loaded.model, caches, "cpu", cpu)
-
-
-def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
-    stem = chunk_file.removesuffix(".jsonl")
-    return os.path.join(work_dir, "features", f"{name}_{stem}.safetensors")
 
 
 def sequence_features(
@@ -104,27 +101,15 @@ def compute_features(
     if not todo:
         return
     runner = runner_factory()
-    os.makedirs(os.path.join(work_dir, "features"), exist_ok=True)
     start = last = time.perf_counter()
     done = 0
     bar = tqdm(todo, desc=f"Stage 2: features ({name})", unit="chunk")
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
-        seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
+        seqs = [(r["prompt_ids"] + r["answer_ids"])[:-1] for r in records]  # write_features'
         feats = sequence_features(runner, seqs, batch_tokens, layers)
-        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-        tensors = {
-            "features": torch.cat(feats),
-            "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.long),
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            "prompt_lens": torch.tensor([len(r["prompt_ids"]) for r in records]),
-            "temperatures": torch.tensor([float(r["temperature"]) for r in records]),
-            "feature_layers": torch.tensor(layers, dtype=torch.long),
-        }
-        path = feature_path(work_dir, name, chunk)
-        save_file(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        tokens = int(lengths.sum())
+        write_features(feature_path(work_dir, name, chunk), records, feats, layers)
+        tokens = sum(len(s) for s in seqs)
         done += tokens
         now = time.perf_counter()
         if on_chunk is not None:
@@ -145,8 +130,9 @@ def _has_features(path: str, layers: tuple[int, ...]) -> bool:
 
 
 def load_features(work_dir: str, name: str) -> list[dict]:
-    """One dict per conversation: tokens [L] long, features [L, (n + 1) * H] bf16 (the final
-    hidden state last), prompt_len, temperature."""
+    """One dict per conversation: tokens [L - 1] long (all but its last), features
+    [L - 1, (n + 1) * H] bf16 (the final hidden state last), prompt_len, temperature (files of
+    older runs hold all L)."""
     folder = os.path.join(work_dir, "features")
     files = sorted(f for f in os.listdir(folder) if f.startswith(f"{name}_chunk_"))
     out = []

@@ -1,0 +1,105 @@
+"""Stage 1's features, captured while the target answers: every step's forward already computes
+the hidden states of each position it feeds (the prompt, in chunks, then each sampled token), so
+a recorder in the proposer's seat keeps them instead of stage 2 running the target again over
+every finished conversation (~45 of the ~110 minutes of stages 1 and 2 for the shipped head's
+data on the 2-core CPU).
+
+A conversation of L tokens gets the features of positions 0 .. L - 2: its last token is sampled
+but never fed. Training loses nothing by it (``data.write_features`` keeps no more from stage 2):
+position i is trained to predict token i + 1, and the target's distribution for the last token
+comes from position L - 2's features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.manager import SpeculationManager
+from engine.spec_decode.proposers import Proposal, TargetStep
+
+
+class FeatureRecorder:
+    """A proposer that never drafts and keeps, per sequence, the target's features of the
+    positions each step computed (``ModelRunner.forward``'s ``hidden_layers`` hidden states,
+    then the final ones), as bfloat16 (what stage 2 stores). A preempted sequence recomputes
+    its positions and the later rows win (``features``)."""
+
+    runs_every_span = False
+    needs_target_hidden = True
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.hidden_layers = layers
+        self._rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id → (first pos, rows)
+
+    def propose(self, scheduled, ks, params) -> Proposal:
+        raise AssertionError("a FeatureRecorder is never asked to draft (no config, k = 0)")
+
+    def commit(
+        self, seq_id: int, written: object, new_token_ids: list[int], target: TargetStep
+    ) -> None:
+        rows = target.hidden[: target.num_computed - target.first_position]
+        self._rows.setdefault(seq_id, []).append((target.first_position, rows.to(torch.bfloat16)))
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def features(self, seq_id: int, length: int) -> torch.Tensor | None:
+        """The features of positions 0 .. length - 1 of ``seq_id`` (forgotten here), None if
+        some position was never computed (the request was aborted)."""
+        parts = self._rows.pop(seq_id, [])
+        if not parts:
+            return None
+        out = parts[0][1].new_empty(length, parts[0][1].shape[1])
+        covered = torch.zeros(length, dtype=torch.bool)
+        for first, rows in parts:  # in step order: a recomputation overwrites
+            n = min(len(rows), length - first)
+            out[first : first + n] = rows[:n]
+            covered[first : first + n] = True
+        return out if bool(covered.all()) else None
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass  # no KV of its own
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        raise ValueError("feature capture answers with n = 1")
+
+    def release(self, seq_id: int) -> None:
+        pass  # kept until features(): a preempted sequence's rows are recomputed, not lost
+
+
+def generate_with_features(
+    llm, prompts: list[list[int]], params: list[SamplingParams], layers: tuple[int, ...]
+) -> tuple[list, list[torch.Tensor | None]]:
+    """``llm`` (an ``engine.LLM``) answers the token-id ``prompts``; returns its outputs, in
+    order, and each conversation's features (``FeatureRecorder.features`` of prompt + answer
+    but its last token). The engine must not use its prefix cache (a cached position is never
+    computed) and runs no speculation while this runs."""
+    engine = llm.llm_engine
+    if engine.config.enable_prefix_caching:
+        raise ValueError("feature capture needs an engine without prefix caching")
+    recorder = FeatureRecorder(layers)
+    saved, engine.spec = engine.spec, SpeculationManager(None, recorder, engine.max_model_len)
+    ids, seq_ids, finished = [], {}, {}
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if p.n != 1:
+                raise ValueError(f"feature capture answers with n = 1, got n = {p.n}")
+            request_id = f"capture-{i}"
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
+            ids.append(request_id)
+            seq_ids[request_id] = engine.requests[request_id].samples[0].seq.seq_id
+        while len(finished) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        for request_id in ids:
+            engine.abort_request(request_id)  # False for those already finished
+        engine.spec = saved
+    outputs = [finished[r] for r in ids]
+    feats = [
+        recorder.features(seq_ids[r], len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1)
+        for r, o in zip(ids, outputs, strict=True)
+    ]
+    return outputs, feats
