@@ -295,7 +295,7 @@ def _render_eagle(e: dict) -> list[str]:
         f"`propose` call that drafts k tokens, / k) against {cost['target_step_s'] * 1e3:.2f} ms "
         "per target decode step (the median `ModelRunner.forward` without speculation): "
         f"{cost['share']:.1%} of a target step.",
-        *_render_sweep("held-out chat", e["batch_sweep"]),
+        *(_render_sweep("held-out chat", e["batch_sweep"]) if e["batch_sweep"] else []),
     ]
 
 
@@ -494,7 +494,8 @@ def targets(p: dict) -> list[dict]:
             ("eagle: acceptance at temperature 0.8, sampled / argmax drafts", sampled, 1.0, "x",
              True),
         ]  # fmt: skip
-        for row in _sweep_rows(e["batch_sweep"]["rows"], ("off", "default")):
+        sweep = e["batch_sweep"]  # None: run with --eagle-batch-sizes ''
+        for row in _sweep_rows(sweep["rows"], ("off", "default")) if sweep else []:
             name = f"eagle, batch {row['b']}: engine default vs no speculation"
             found.append((name, row["ratio"], SPEC_LARGE_BATCH))
     if p["benchmark"] == "serving":

@@ -197,13 +197,15 @@ def run_eagle(args, spec) -> dict:
     draft, target = percentile(draft_s, 50) / EAGLE_K, percentile(target_s, 50)
     del engines, systems
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
-    sizes = workload.parse_int_list(args.eagle_batch_sizes, "eagle_batch_sizes")
+    sizes = args.eagle_batch_sizes and workload.parse_int_list(
+        args.eagle_batch_sizes, "eagle_batch_sizes"
+    )
     return {
         "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",
         "k": EAGLE_K, "num_prompts": len(requests), "max_tokens": args.eagle_max_tokens,
         "runs": runs, "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
                                      "share": draft / target},
-        "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes),
+        "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes) if sizes else None,
     }  # fmt: skip
 
 
@@ -253,7 +255,7 @@ def build_parser():
     add("--eagle-head", default=None, help="a head directory (default: the shipped head)")
     add("--eagle-prompts", type=int, default=8)
     add("--eagle-max-tokens", type=int, default=64)
-    add("--eagle-batch-sizes", default="16,64")
+    add("--eagle-batch-sizes", default="16,64", help="eagle sweep; '' skips it")
     return parser
 
 

@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models.quant import dequantize_q8_0, quantize_q8_0
 from engine.spec_decode.eagle_format import load_head
 from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
+from kernels import cpu_extension
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -192,6 +193,7 @@ def test_a_head_fed_late_drafts_what_a_head_fed_every_step_drafts(tiny_llama, he
     assert late_spans < every_spans - 40  # most of the long request's off steps fed nothing
 
 
+@pytest.mark.skipif(not cpu_extension.available(), reason="the C++ CPU kernels cannot be built")
 def test_draft_steps_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, head):
     """A draft step (every span one token, each a logit row) runs the head's layer in the C++
     stack where it applies; its logits and h equal the Python path's bit for bit, step by step

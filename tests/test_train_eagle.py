@@ -4,6 +4,7 @@ tiny size."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from types import SimpleNamespace
@@ -238,12 +239,17 @@ def test_answer_timings_survive_a_killed_run(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         data.generate_answers(lambda: None, prompts, str(tmp_path), 8, 4, recorded.append)
     assert [r["answer_tokens"] for r in recorded] == [sum(len(p) for p in prompts[:4])]
+    # a feature file the killed run had written for its unfinished chunk is another draw's
+    stale = data.feature_path(str(tmp_path), "answers", "chunk_00001.jsonl")
+    os.makedirs(os.path.dirname(stale))
+    save_file({"features": torch.zeros(1, 4)}, stale)
     monkeypatch.setattr(data, "answer", _FakeAnswer())
     data.generate_answers(lambda: None, prompts, str(tmp_path), 8, 4, recorded.append)
     written = data.load_conversations(str(tmp_path))
     assert [r["prompt"] for r in written] == prompts
     assert sum(r["answer_tokens"] for r in recorded) == sum(len(r["answer_ids"]) for r in written)
     assert len(recorded) == 3 and all(r["seconds"] >= 0 for r in recorded)
+    assert not os.path.exists(stale)
 
 
 def _prefilled(model: str, convs: list[dict], layers: tuple[int, ...]) -> list[torch.Tensor]:
@@ -254,8 +260,8 @@ def _prefilled(model: str, convs: list[dict], layers: tuple[int, ...]) -> list[t
 
 def test_stage_1_captures_the_features_stage_2_would_compute(tiny_llama, tmp_path):
     """Stage 1 writes each chunk's features (layer 0's hidden states and the final ones) as it
-    answers, all but each conversation's last token, so stage 2 has nothing left to do; they
-    are stage 2's teacher-forced features of the same tokens."""
+    answers, so stage 2 has nothing left to do: stage 2's teacher-forced features of the same
+    tokens, but zeros for each conversation's last token (sampled, never fed)."""
     topics = ["foxes", "dogs", "rain"] * 3
     prompts = [f"Tell me {i} things about {w}." for i, w in enumerate(topics)]
     work = str(tmp_path)
@@ -266,12 +272,13 @@ def test_stage_1_captures_the_features_stage_2_would_compute(tiny_llama, tmp_pat
     assert len(convs) == len(records) == len(prompts)
     for conv, record in zip(convs, records, strict=True):
         whole = record["prompt_ids"] + record["answer_ids"]
-        assert conv["tokens"].tolist() == whole[:-1] and conv["prompt_len"] == len(
-            record["prompt_ids"]
-        )
+        assert conv["tokens"].tolist() == whole
+        assert conv["prompt_len"] == len(record["prompt_ids"])
     for conv, want in zip(convs, _prefilled(tiny_llama, convs, (0,)), strict=True):
-        assert conv["features"].shape == want.shape == (len(conv["tokens"]), 2 * 64)
-        torch.testing.assert_close(conv["features"].float(), want.float(), rtol=0.02, atol=2e-3)
+        got = conv["features"]
+        assert got.shape == want.shape == (len(conv["tokens"]), 2 * 64)
+        torch.testing.assert_close(got[:-1].float(), want[:-1].float(), rtol=0.02, atol=2e-3)
+        assert not got[-1].any()
 
 
 def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
@@ -295,6 +302,35 @@ def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
     assert llm.llm_engine.spec.proposer is None  # the engine's own manager is back
     with pytest.raises(ValueError, match="without prefix caching"):
         generate_with_features(LLM(tiny_llama, num_kv_blocks=16), prompts, params, ())
+
+
+def test_a_failed_capture_leaves_the_engine_as_it_was(tiny_llama, monkeypatch):
+    """A step that raises mid-capture: the engine gets its own speculation manager back, the
+    capture's requests are aborted (no block held), and the engine answers normally after."""
+    from engine import LLM, SamplingParams
+    from engine.spec_decode.train_eagle.capture import generate_with_features
+
+    llm = LLM(tiny_llama, num_kv_blocks=32, enable_prefix_caching=False)
+    engine, manager = llm.llm_engine, llm.llm_engine.spec
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed mid-capture")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        generate_with_features(llm, [[5, 6, 7], [8, 9]], params, ())
+    monkeypatch.setattr(engine, "step", step)
+    assert engine.spec is manager and not engine.requests
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    outs, feats = generate_with_features(llm, [[5, 6, 7], [8, 9]], params, ())  # its aborts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]  # are skipped
+    assert [len(f) for f in feats] == [3 + 7, 2 + 7]
 
 
 class _CharTokenizer:

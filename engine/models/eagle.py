@@ -65,7 +65,9 @@ class EagleHead(nn.Module):
         x = torch.cat([self.embed_tokens[0](input_ids), features.to(self.fc.weight.dtype)], -1)
         x = self.fc(x)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        if self.layer_stack is not None and len(logit_rows) == x.shape[0]:
+        # T logit rows, at most one per span, over T spans: every span is one token
+        one_token_spans = len(logit_rows) == x.shape[0] == meta.seq_lens.shape[0]
+        if self.layer_stack is not None and one_token_spans:
             out = self.layer_stack.run([layer], x, cos, sin, kv_caches, meta)
             if out:
                 h, residual = out

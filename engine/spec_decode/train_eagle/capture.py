@@ -5,9 +5,7 @@ every finished conversation (~45 of the ~110 minutes of stages 1 and 2 for the s
 data on the 2-core CPU).
 
 A conversation of L tokens gets the features of positions 0 .. L - 2: its last token is sampled
-but never fed. Training loses nothing by it (``data.write_features`` keeps no more from stage 2):
-position i is trained to predict token i + 1, and the target's distribution for the last token
-comes from position L - 2's features.
+but never fed, and no trained position reads its features (``data.write_features``).
 """
 
 from __future__ import annotations
@@ -78,20 +76,22 @@ def generate_with_features(
     engine = llm.llm_engine
     if engine.config.enable_prefix_caching:
         raise ValueError("feature capture needs an engine without prefix caching")
+    if engine.requests:
+        raise ValueError("feature capture needs an engine with no request in flight")
+    if any(p.n != 1 for p in params):
+        raise ValueError("feature capture answers with n = 1")
     recorder = FeatureRecorder(layers)
     saved, engine.spec = engine.spec, SpeculationManager(None, recorder, engine.max_model_len)
     ids, seq_ids, finished = [], {}, {}
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            if p.n != 1:
-                raise ValueError(f"feature capture answers with n = 1, got n = {p.n}")
-            request_id = f"capture-{i}"
+            request_id = f"capture-{id(recorder)}-{i}"  # unique while the recorder lives
             engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
             ids.append(request_id)
             seq_ids[request_id] = engine.requests[request_id].samples[0].seq.seq_id
         while len(finished) < len(ids):
-            for out in engine.step():
-                if out.finished:
+            for out in engine.step():  # (also an earlier call's aborts: not ours)
+                if out.finished and out.request_id in seq_ids:
                     finished[out.request_id] = out
     finally:
         for request_id in ids:

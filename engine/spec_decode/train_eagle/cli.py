@@ -300,8 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     head_params = sum(v.numel() for k, v in state_dict.items() if k != "d2t")
     history = state["history"]
-    records = data.load_conversations(work)  # the whole conversations (features lack a token)
-    answer_tokens = sum(len(r["answer_ids"]) for r in records)
+    answer_tokens = sum(len(c["tokens"]) - c["prompt_len"] for c in convs)
     covered = sum(int((t2d[c["tokens"][c["prompt_len"] :]] >= 0).sum()) for c in heldout)
     manifest = {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -316,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
             "sequences": len(convs),
             "train_sequences": len(train),
             "heldout_sequences": len(heldout),
-            "tokens": sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records),
+            "tokens": sum(len(c["tokens"]) for c in convs),
             "answer_tokens": answer_tokens,
             "answers": f"half greedy, half temperature {data.SAMPLED_TEMPERATURE}, "
             f"max {args.max_tokens} tokens, answered by pagedspec",

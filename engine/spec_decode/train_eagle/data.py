@@ -17,8 +17,6 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from engine.spec_decode.train_eagle.capture import generate_with_features
-
 SAMPLED_TEMPERATURE = 0.7
 
 
@@ -48,14 +46,15 @@ def feature_path(work_dir: str, name: str, chunk_file: str) -> str:
 def write_features(
     path: str, records: list[dict], feats: list[torch.Tensor], layers: tuple[int, ...]
 ) -> None:
-    """One chunk's feature file, written then renamed: each conversation's first L - 1 tokens
-    and their features [L - 1, (len(layers) + 1) H], whichever stage computed them. The last
-    token is left out: stage 1 never feeds it, and position i is trained to predict token
-    i + 1, so the last position would be trained on what follows the answer."""
-    seqs = [(r["prompt_ids"] + r["answer_ids"])[:-1] for r in records]
-    feats = [f[: len(s)] for f, s in zip(feats, seqs, strict=True)]
-    if any(len(f) < len(s) for f, s in zip(feats, seqs, strict=True)):
-        raise ValueError("every conversation needs the features of all its tokens but the last")
+    """One chunk's feature file, written then renamed: each conversation's L tokens and their
+    features [L, (len(layers) + 1) H]. Stage 1 has no features for the last token (it is
+    sampled, never fed): its row is zeros, which no trained position reads (position i reads
+    feature i - 1 and is trained on feature i and token i + 1, i <= L - 2)."""
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    if any(len(f) not in (len(s) - 1, len(s)) for f, s in zip(feats, seqs, strict=True)):
+        raise ValueError("a conversation of L tokens needs the features of L or L - 1 of them")
+    feats = [f if len(f) == len(s) else torch.cat([f, f.new_zeros(1, f.shape[1])])
+             for f, s in zip(feats, seqs, strict=True)]  # fmt: skip
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     tensors = {
         "features": torch.cat(feats),
@@ -77,6 +76,7 @@ def answer(
     any: stage 2 then computes the chunk's)."""
     from engine import SamplingParams
     from engine.llm import render_chat
+    from engine.spec_decode.train_eagle.capture import generate_with_features
 
     params = [SamplingParams(temperature=t, max_tokens=max_tokens) for t in temperatures]
     prompts = [render_chat(llm.tokenizer, c)[1] for c in conversations]
@@ -91,6 +91,22 @@ def answer(
         for out, t in zip(outs, temperatures, strict=True)
     ]
     return records, None if any(f is None for f in feats) else feats
+
+
+def _write_chunk(
+    path: str,
+    features_path: str,
+    records: list[dict],
+    feats: list[torch.Tensor] | None,
+    layers: tuple[int, ...],
+) -> None:
+    """The chunk's features, then the chunk (which marks it done). Without features, a file a
+    killed run left for this chunk goes: its sampled answers were another draw."""
+    if feats is not None:
+        write_features(features_path, records, feats, layers)
+    elif os.path.isfile(features_path):
+        os.remove(features_path)
+    write_jsonl(path, records)
 
 
 def make_llm(model: str, max_num_seqs: int, seed: int):
@@ -134,10 +150,8 @@ def generate_answers(
             r["index"] = j
             r["prompt"] = prompts[j]
         path = chunk_path(work_dir, "answers", i)
-        if feats is not None:
-            write_features(feature_path(work_dir, "answers", os.path.basename(path)), records,
-                           feats, layers)  # fmt: skip
-        write_jsonl(path, records)
+        _write_chunk(path, feature_path(work_dir, "answers", os.path.basename(path)), records,
+                     feats, layers)  # fmt: skip
         tokens = sum(len(r["answer_ids"]) for r in records)
         answered += tokens
         now = time.perf_counter()
@@ -169,8 +183,6 @@ def generate_heldout_chat(
     records, feats = answer(llm, conversations, [0.0] * len(conversations), max_tokens, layers)
     for j, r in enumerate(records):
         r["index"] = j
-    if feats is not None:
-        write_features(feature_path(work_dir, "heldout_chat", os.path.basename(out)), records,
-                       feats, layers)  # fmt: skip
-    write_jsonl(out, records)
+    _write_chunk(out, feature_path(work_dir, "heldout_chat", os.path.basename(out)), records,
+                 feats, layers)  # fmt: skip
     return len(records)

@@ -106,7 +106,7 @@ def compute_features(
     bar = tqdm(todo, desc=f"Stage 2: features ({name})", unit="chunk")
     for chunk in bar:
         records = read_jsonl(os.path.join(folder, chunk))
-        seqs = [(r["prompt_ids"] + r["answer_ids"])[:-1] for r in records]  # write_features'
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
         feats = sequence_features(runner, seqs, batch_tokens, layers)
         write_features(feature_path(work_dir, name, chunk), records, feats, layers)
         tokens = sum(len(s) for s in seqs)
@@ -130,9 +130,9 @@ def _has_features(path: str, layers: tuple[int, ...]) -> bool:
 
 
 def load_features(work_dir: str, name: str) -> list[dict]:
-    """One dict per conversation: tokens [L - 1] long (all but its last), features
-    [L - 1, (n + 1) * H] bf16 (the final hidden state last), prompt_len, temperature (files of
-    older runs hold all L)."""
+    """One dict per conversation: tokens [L] long, features [L, (n + 1) * H] bf16 (the final
+    hidden state last; the last row zeros where stage 1 captured them), prompt_len,
+    temperature."""
     folder = os.path.join(work_dir, "features")
     files = sorted(f for f in os.listdir(folder) if f.startswith(f"{name}_chunk_"))
     out = []
