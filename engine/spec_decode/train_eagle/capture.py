@@ -10,6 +10,8 @@ but never fed, and no trained position reads its features (``data.write_features
 
 from __future__ import annotations
 
+import uuid
+
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -80,12 +82,12 @@ def generate_with_features(
         raise ValueError("feature capture needs an engine with no request in flight")
     if any(p.n != 1 for p in params):
         raise ValueError("feature capture answers with n = 1")
-    recorder = FeatureRecorder(layers)
+    recorder, run = FeatureRecorder(layers), uuid.uuid4().hex  # run: no earlier call's ids
     saved, engine.spec = engine.spec, SpeculationManager(None, recorder, engine.max_model_len)
     ids, seq_ids, finished = [], {}, {}
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            request_id = f"capture-{id(recorder)}-{i}"  # unique while the recorder lives
+            request_id = f"capture-{run}-{i}"
             engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
             ids.append(request_id)
             seq_ids[request_id] = engine.requests[request_id].samples[0].seq.seq_id
