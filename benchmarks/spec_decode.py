@@ -197,8 +197,10 @@ def run_eagle(args, spec) -> dict:
     draft, target = percentile(draft_s, 50) / EAGLE_K, percentile(target_s, 50)
     del engines, systems
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
-    sizes = args.eagle_batch_sizes and workload.parse_int_list(
-        args.eagle_batch_sizes, "eagle_batch_sizes"
+    sizes = (
+        workload.parse_int_list(args.eagle_batch_sizes, "eagle_batch_sizes")
+        if args.eagle_batch_sizes
+        else []
     )
     return {
         "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",

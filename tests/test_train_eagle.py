@@ -276,6 +276,7 @@ def test_stage_1_captures_the_features_stage_2_would_compute(tiny_llama, tmp_pat
         assert conv["prompt_len"] == len(record["prompt_ids"])
     for conv, want in zip(convs, _prefilled(tiny_llama, convs, (0,)), strict=True):
         got = conv["features"]
+        assert got.dtype == torch.bfloat16
         assert got.shape == want.shape == (len(conv["tokens"]), 2 * 64)
         torch.testing.assert_close(got[:-1].float(), want[:-1].float(), rtol=0.02, atol=2e-3)
         assert not got[-1].any()

@@ -39,10 +39,10 @@ class FeatureRecorder:
         self, seq_id: int, written: object, new_token_ids: list[int], target: TargetStep
     ) -> None:
         rows = target.hidden[: target.num_computed - target.first_position]
-        self._rows.setdefault(seq_id, []).append((target.first_position, rows.to(torch.bfloat16)))
+        self._rows.setdefault(seq_id, []).append((target.first_position, rows))
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+        return hidden.to(torch.bfloat16)  # once per step; commit() keeps each sequence's rows
 
     def features(self, seq_id: int, length: int) -> torch.Tensor | None:
         """The features of positions 0 .. length - 1 of ``seq_id`` (forgotten here), None if
@@ -84,24 +84,23 @@ def generate_with_features(
         raise ValueError("feature capture answers with n = 1")
     recorder, run = FeatureRecorder(layers), uuid.uuid4().hex  # run: no earlier call's ids
     saved, engine.spec = engine.spec, SpeculationManager(None, recorder, engine.max_model_len)
-    ids, seq_ids, finished = [], {}, {}
+    seq_ids, finished = {}, {}  # request id → its sequence's, in prompt order
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             request_id = f"capture-{run}-{i}"
             engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
-            ids.append(request_id)
             seq_ids[request_id] = engine.requests[request_id].samples[0].seq.seq_id
-        while len(finished) < len(ids):
+        while len(finished) < len(seq_ids):
             for out in engine.step():  # (also an earlier call's aborts: not ours)
                 if out.finished and out.request_id in seq_ids:
                     finished[out.request_id] = out
     finally:
-        for request_id in ids:
+        for request_id in seq_ids:
             engine.abort_request(request_id)  # False for those already finished
         engine.spec = saved
-    outputs = [finished[r] for r in ids]
+    outputs = [finished[r] for r in seq_ids]
     feats = [
-        recorder.features(seq_ids[r], len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1)
-        for r, o in zip(ids, outputs, strict=True)
+        recorder.features(seq_id, len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1)
+        for seq_id, o in zip(seq_ids.values(), outputs, strict=True)
     ]
     return outputs, feats

@@ -94,14 +94,18 @@ def answer(
 
 
 def _write_chunk(
-    path: str,
-    features_path: str,
+    work_dir: str,
+    name: str,
+    index: int,
     records: list[dict],
     feats: list[torch.Tensor] | None,
     layers: tuple[int, ...],
 ) -> None:
-    """The chunk's features, then the chunk (which marks it done). Without features, a file a
-    killed run left for this chunk goes: its sampled answers were another draw."""
+    """Chunk ``index`` of ``name``: its features, then the chunk (which marks it done). Without
+    features, a file a killed run left for this chunk goes: its sampled answers were another
+    draw."""
+    path = chunk_path(work_dir, name, index)
+    features_path = feature_path(work_dir, name, os.path.basename(path))
     if feats is not None:
         write_features(features_path, records, feats, layers)
     elif os.path.isfile(features_path):
@@ -149,9 +153,7 @@ def generate_answers(
         for j, r in zip(idx, records, strict=True):
             r["index"] = j
             r["prompt"] = prompts[j]
-        path = chunk_path(work_dir, "answers", i)
-        _write_chunk(path, feature_path(work_dir, "answers", os.path.basename(path)), records,
-                     feats, layers)  # fmt: skip
+        _write_chunk(work_dir, "answers", i, records, feats, layers)
         tokens = sum(len(r["answer_ids"]) for r in records)
         answered += tokens
         now = time.perf_counter()
@@ -183,6 +185,5 @@ def generate_heldout_chat(
     records, feats = answer(llm, conversations, [0.0] * len(conversations), max_tokens, layers)
     for j, r in enumerate(records):
         r["index"] = j
-    _write_chunk(out, feature_path(work_dir, "heldout_chat", os.path.basename(out)), records,
-                 feats, layers)  # fmt: skip
+    _write_chunk(work_dir, "heldout_chat", 0, records, feats, layers)
     return len(records)

@@ -1,12 +1,11 @@
-"""Stage 2: the target's features by teacher forcing, for the chunks whose features stage 1 did not
-capture while answering (a work dir of older runs, or other ``feature_layers``). The engine's own
-float32 target (the
-packed CPU kernels and paged attention that compute the features the head is fed when serving)
-runs over each whole conversation (prompt + answer), one packed prefill of many conversations at
-a time, and keeps the final hidden state after the final norm (what the target feeds its LM
-head), after the hidden states of the ``feature_layers`` a fused-feature head reads (none for
-EAGLE-1), stored as bfloat16. One feature file per answer chunk
-(``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped. HF
+"""Stage 2: the target's features by teacher forcing, for the chunks whose features stage 1 did
+not capture while answering (a work dir of older runs, or other ``feature_layers``). The engine's
+own float32 target (the packed CPU kernels and paged attention that compute the features the
+head is fed when serving) runs over each whole conversation (prompt + answer), one packed
+prefill of many conversations at a time, and keeps the final hidden state after the final norm
+(what the target feeds its LM head), after the hidden states of the ``feature_layers`` a
+fused-feature head reads (none for EAGLE-1), stored as bfloat16. One feature file per answer
+chunk (``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped. HF
 transformers computes the same features (``tests/test_train_eagle.py`` checks it), ~1.3x slower
 on the 2-core dev CPU (192 against 243 tokens/s on the same 48 conversations, one thread)."""
 
