@@ -98,6 +98,7 @@ def render_throughput(p: dict) -> list[str]:
             row = {"b": r["batch_size"], "n": n, "s": s, "r": r["ratios"].get(n)}
             if n == "pagedspec":
                 row |= {"c": r["ceiling_tokens_per_s"], "f": r["roofline_fraction"]}
+                row["rc"] = r.get("run_ceiling_tokens_per_s")  # none in older runs
             if "error" in s:  # a peer that could not run is reported, not faked
                 row |= {"s": None, "error": f"unavailable: {s['error']}"}
             rows.append(row)
@@ -121,14 +122,16 @@ def render_throughput(p: dict) -> list[str]:
         "total tok/s={s[total_tokens_per_s]:.1f} | req/s={s[requests_per_s]:.2f} | "
         "TTFT p50 / p99 ms={s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
         "TPOT p50 / p99 ms={s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | "
-        "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%}"
+        "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%} | "
+        "run ceiling tok/s={rc:.0f}"
     )
     blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
     after = [
         f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
         f"{sum(s['preemptions'] for _, s in used)}.",
-        "The ceiling bounds decode alone; the "
-        "fraction divides generated tokens/s, whose time includes prefill, by it.",
+        "The decode ceiling bounds decode alone; the fraction divides generated tokens/s, whose "
+        "time includes prefill, by it. The run ceiling bounds the whole timed run: each prompt "
+        "token's layer FLOPs at the GEMM rate, then decode at the decode ceiling.",
         "",
     ]
     if p.get("plot"):  # none where matplotlib is missing (the GPU check)
@@ -455,6 +458,7 @@ def targets(p: dict) -> list[dict]:
     found = []  # (name, value, threshold[, unit, strictly above])
     if p["benchmark"] == "throughput" and not p.get("config", {}).get("temperature"):  # greedy
         ratios = {r["batch_size"]: r["ratios"] for r in p["results"]}
+        rows = {r["batch_size"]: r for r in p["results"]}
         for b, peer, least in THROUGHPUT_TARGETS:
             if peer in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec vs {peer}"
@@ -463,7 +467,8 @@ def targets(p: dict) -> list[dict]:
         for b, least in LLAMACPP_TARGETS * (q.get("name") in LLAMACPP_TARGET_PRECISIONS):
             if "llamacpp" in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec {q['name']} vs llama.cpp {q['gguf_type']}"
-                found.append((name, ratios[b]["llamacpp"], least))
+                bound = _run_ceiling_ratio(rows[b], "llamacpp")
+                found.append((name, ratios[b]["llamacpp"], least, "x", False, bound))
     grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.
@@ -501,12 +506,20 @@ def targets(p: dict) -> list[dict]:
     if p["benchmark"] == "serving":
         found += _serving_targets(p["systems"])
     out = []
-    for f in found:  # (name, value, threshold), then unit ("x") and strictly above (False)
-        name, value, threshold, unit, strict = (*f, *("x", False)[len(f) - 3 :])
+    for f in found:  # (name, value, threshold), then unit ("x"), strictly above (False) and
+        # the most the measured rates allow (None)
+        name, value, threshold, unit, strict, bound = (*f, *("x", False, None)[len(f) - 3 :])
         passed = value is not None and (value > threshold if strict else value >= threshold)
         out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
-                    "op": ">" if strict else ">=", "passed": passed})  # fmt: skip
+                    "op": ">" if strict else ">=", "passed": passed, "bound": bound})  # fmt: skip
     return out
+
+
+def _run_ceiling_ratio(row: dict, peer: str) -> float | None:
+    """The most pagedspec / ``peer`` that a throughput row's run ceiling allows (None: a run
+    from before the run ceiling)."""
+    ceiling = row.get("run_ceiling_tokens_per_s")
+    return ceiling and ceiling / row["systems"][peer]["output_tokens_per_s"]
 
 
 def _serving_targets(systems: dict) -> list[tuple]:
@@ -528,7 +541,14 @@ def _targets_table(payloads: list[dict]) -> list[str]:
     rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
     rows = [r | {"shown": None if r["value"] is None else r["unit"]} for r in rows]
     columns = "target={name} | measured={value:.2f}{shown} | threshold={op} {threshold}{unit} | "
-    return ["## Targets", "", *_table(columns + "=**{verdict}**", rows), ""] if rows else []
+    columns += "=**{verdict}** | most the measured rates allow={bound:.2fx}"
+    note = (
+        "Last column: the run ceiling (the throughput sections' last column) over the peer's "
+        "tokens/s, a ratio that no engine reading this machine's measured bandwidth and "
+        "computing at its measured float32 GEMM rate passes (an integer kernel, as int8's, "
+        "could compute faster in principle)."
+    )
+    return ["## Targets", "", *_table(columns, rows), "", note, ""] if rows else []
 
 
 def section(payload: dict, file: str) -> str:

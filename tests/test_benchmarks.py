@@ -137,6 +137,17 @@ def test_decode_ceiling_is_the_slower_of_memory_and_compute():
         throughput.decode_ceiling(0, cost, rates)
 
 
+def test_run_ceiling_adds_prefill_flops_to_the_decode_ceiling():
+    cost = {"num_params": 10**9, "lm_head_params": 2 * 10**8, "weight_bytes": 2 * 10**9}
+    rates = {"read_bandwidth_gbs": 100.0, "matmul_gflops": 1000.0}
+    run = {"input_tokens": 100, "output_tokens": 40, "num_requests": 4}
+    # Prefill: 100 tokens through 8e8 layer parameters and 4 LM-head rows of 2e8, 2 FLOPs a
+    # parameter at 1e12 FLOP/s = 0.1616 s; the 36 later tokens at 4 / 20 ms (reading 2 GB at
+    # 100 GB/s beats 4 tokens' 8 ms of compute) = 0.18 s.
+    expected = 40 / (0.1616 + 0.18)
+    assert throughput.run_ceiling(4, run, cost, rates) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
     config = AutoConfig.from_pretrained(tiny_llama)
@@ -147,6 +158,7 @@ def test_model_cost_counts_layers_and_lm_head(tiny_llama, tied):
     cost = SimpleNamespace(**throughput.model_cost(config, torch.bfloat16))
     assert cost.num_params == (total if tied else total - embedding)
     assert cost.weight_bytes == 2 * cost.num_params and cost.dtype == "bfloat16"
+    assert cost.lm_head_params == embedding
 
 
 def test_parse_errors_name_the_field():
