@@ -507,7 +507,7 @@ def targets(p: dict) -> list[dict]:
         found += _serving_targets(p["systems"])
     out = []
     for f in found:  # (name, value, threshold), then unit ("x"), strictly above (False) and
-        # the most the measured rates allow (None)
+        # the run ceiling over the peer (None)
         name, value, threshold, unit, strict, bound = (*f, *("x", False, None)[len(f) - 3 :])
         passed = value is not None and (value > threshold if strict else value >= threshold)
         out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
@@ -516,7 +516,7 @@ def targets(p: dict) -> list[dict]:
 
 
 def _run_ceiling_ratio(row: dict, peer: str) -> float | None:
-    """The most pagedspec / ``peer`` that a throughput row's run ceiling allows (None: a run
+    """A throughput row's run ceiling over ``peer``'s generated tokens/s (None: a run
     from before the run ceiling)."""
     ceiling = row.get("run_ceiling_tokens_per_s")
     return ceiling and ceiling / row["systems"][peer]["output_tokens_per_s"]
@@ -541,12 +541,13 @@ def _targets_table(payloads: list[dict]) -> list[str]:
     rows = [t | {"verdict": ("MISS", "PASS")[t["passed"]]} for p in payloads for t in targets(p)]
     rows = [r | {"shown": None if r["value"] is None else r["unit"]} for r in rows]
     columns = "target={name} | measured={value:.2f}{shown} | threshold={op} {threshold}{unit} | "
-    columns += "=**{verdict}** | most the measured rates allow={bound:.2fx}"
+    columns += "=**{verdict}** | run ceiling / peer={bound:.2fx}"
     note = (
         "Last column: the run ceiling (the throughput sections' last column) over the peer's "
-        "tokens/s, a ratio that no engine reading this machine's measured bandwidth and "
-        "computing at its measured float32 GEMM rate passes (an integer kernel, as int8's, "
-        "could compute faster in principle)."
+        "tokens/s, the ratio an engine with no cost but its matmuls would reach at the measured "
+        "read bandwidth and float32 GEMM rate. Those are measurements, not the hardware's "
+        "limits (a kernel can pass them: an integer one, or a GEMV that reads faster than "
+        "torch's sum), so this estimates what is within reach; it proves nothing."
     )
     return ["## Targets", "", *_table(columns, rows), "", note, ""] if rows else []
 

@@ -224,10 +224,10 @@ def decode_ceiling(batch_size: int, cost: dict, rates: dict) -> float:
 
 
 def run_ceiling(batch_size: int, run: dict, cost: dict, rates: dict) -> float:
-    """Upper bound on a timed run's generated tokens/s at the measured rates, prefill included:
-    each prompt token's layer FLOPs and each request's one LM-head row (its first token) at the
-    GEMM rate, every later token at ``decode_ceiling(batch_size)``. Attention, norms and the
-    KV cache cost nothing here, so no engine on this machine's measured rates beats it."""
+    """A timed run's generated tokens/s if its matmuls ran at the measured rates and nothing
+    else cost time, prefill included: each prompt token's layer FLOPs and each request's one
+    LM-head row (its first token) at the GEMM rate, every later token at
+    ``decode_ceiling(batch_size)``. Attention, norms and the KV cache are left out."""
     head, layers = cost["lm_head_params"], cost["num_params"] - cost["lm_head_params"]
     prefill_flops = 2 * (layers * run["input_tokens"] + head * run["num_requests"])
     decode_tokens = run["output_tokens"] - run["num_requests"]

@@ -213,7 +213,7 @@ def test_report_renders_accuracy_and_llamacpp_targets():
             f"throughput, batch 32: pagedspec {name} vs llama.cpp X": (2.5, 2.0),
         }
         assert found == (expected if least else {})  # Q4_1 as shipped has no target
-    # With a run ceiling, the most the measured rates allow: the ceiling over the peer's tok/s.
+    # With a run ceiling, the ceiling over the peer's tokens/s.
     llama = {"llamacpp": {"output_tokens_per_s": 200.0}}
     tp["precision"]["name"] = "fp32"
     tp["results"][1] |= {"run_ceiling_tokens_per_s": 370.0, "systems": llama}
