@@ -115,7 +115,8 @@ def render_throughput(p: dict) -> list[str]:
         *_precision_notes(p),
         f"- measured ceilings: {_bandwidth(rates)}, {rates['dtype']} GEMM "
         f"{rates['matmul_gflops']:.1f} GFLOP/s; model {model['num_params'] / 1e6:.1f} M matmul "
-        f"parameters (layers + LM head), {model['weight_bytes'] / 1e6:.0f} MB read per decode step",
+        f"parameters (layers + LM head{_lm_head(model)}), {model['weight_bytes'] / 1e6:.0f} MB "
+        "read per decode step",
     ]
     columns = (
         "B={b} | system={n} | out tok/s={error}{s[output_tokens_per_s]:.1f} | "
@@ -138,6 +139,12 @@ def render_throughput(p: dict) -> list[str]:
         after += [f"![throughput]({{results}}/{p['plot']})", ""]
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights)"
     return _section(title, notes, columns, rows, after)
+
+
+def _lm_head(model: dict) -> str:
+    """The LM head's share of the matmul parameters (runs before the run ceiling: none)."""
+    head = model.get("lm_head_params")
+    return "" if head is None else f" of {head / 1e6:.1f} M"
 
 
 def _precision_notes(p: dict) -> list[str]:
