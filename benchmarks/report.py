@@ -131,8 +131,9 @@ def render_throughput(p: dict) -> list[str]:
         f"pagedspec peak KV blocks used / allocated: {blocks}; preemptions: "
         f"{sum(s['preemptions'] for _, s in used)}.",
         "The decode ceiling bounds decode alone; the fraction divides generated tokens/s, whose "
-        "time includes prefill, by it. The run ceiling bounds the whole timed run: each prompt "
-        "token's layer FLOPs at the GEMM rate, then decode at the decode ceiling.",
+        "time includes prefill, by it. The run ceiling is the whole timed run's rate were its "
+        "matmuls all it did, at the measured rates: each prompt token's layer FLOPs at the GEMM "
+        "rate, then decode at the decode ceiling.",
         "",
     ]
     if p.get("plot"):  # none where matplotlib is missing (the GPU check)
