@@ -282,7 +282,8 @@ def _attend_chunk(
     if chunk.tok is None:
         q = query.index_select(0, chunk.starts).view(c, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
-        out.index_copy_(0, chunk.starts, o.view(c, num_heads, head_dim))
+        # reshape, not view: on CUDA SDPA may return o in another memory layout.
+        out.index_copy_(0, chunk.starts, o.reshape(c, num_heads, head_dim))
         return
     max_q = chunk.max_q
     # [c, max_q, Hkv, G, D] -> [c, Hkv, max_q * G, D]: row j * G + g is token j, head g.
@@ -293,5 +294,5 @@ def _attend_chunk(
         .reshape(c, num_kv_heads, max_q * group, head_dim)
     )
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
-    o = o.view(c, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
+    o = o.reshape(c, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
     out[chunk.tok[chunk.q_valid]] = o.reshape(c, max_q, num_heads, head_dim)[chunk.q_valid]

@@ -236,3 +236,22 @@ def test_one_plan_serves_every_layer(gen, monkeypatch):
                                       plan=plan)  # fmt: skip
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert kernels.plan_paged_attention(first.query, first.k_cache, *tables, "triton") is None
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [1, 3, 1, 5]], ids=["decode", "mixed"])
+def test_reference_accepts_sdpa_output_in_any_layout(q_lens, gen, monkeypatch):
+    # CUDA's SDPA kernels may return [c, Hkv, G, D] with G outermost in memory (the GPU check's
+    # kernel benchmark failed on a .view of it); CPU SDPA never does, so force that layout here.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided_sdpa)
+    seq_lens = [9, 20, 33, 5]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=8, block_size=16,
+        dtype=torch.float64, generator=gen,
+    )  # fmt: skip
+    out = reference.paged_attention(*p.args(), 0.3)
+    torch.testing.assert_close(out, naive_attention(*p.args(), 0.3), rtol=1e-12, atol=1e-12)
