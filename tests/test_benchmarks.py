@@ -212,10 +212,16 @@ def test_targets_judge_the_measured_ratios():
     assert report.targets(sd)[1]["name"] == name
 
 
-def test_results_md_is_what_the_report_renders_from_the_committed_json(monkeypatch):
-    monkeypatch.chdir(BENCHMARKS.parent)  # as `make bench` renders it
-    text = report.render(Path("benchmarks/results"), Path("benchmarks/RESULTS.md"))
-    assert text == Path("benchmarks/RESULTS.md").read_text()
+@pytest.mark.parametrize(("results", "page"), [("results", "RESULTS.md"),
+                                               ("results-gpu", "RESULTS-GPU.md")])  # fmt: skip
+def test_results_md_is_what_the_report_renders_from_the_committed_json(results, page, monkeypatch):
+    monkeypatch.chdir(BENCHMARKS.parent)  # as `make bench` (README "GPU check") renders it
+    text = report.render(Path("benchmarks", results), Path("benchmarks", page))
+    assert text == Path("benchmarks", page).read_text()
+    gpu = results == "results-gpu"
+    assert ("`make bench` reruns" in text) != gpu and ("gpu_check.sh` on a lent GPU" in text) == gpu
+    # the run-ceiling column belongs to the llama.cpp targets, which only the CPU page has
+    assert ("run ceiling / peer" in text) != gpu
 
 
 # Numbers in the committed JSON that RESULTS.md does not show: run settings, raw counts behind
