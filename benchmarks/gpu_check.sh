@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-shot check on a lent GPU (H200, Python 3.12, torch + triton preinstalled, no network): the
-# GPU tests, the kernel benchmark and one end-to-end throughput sweep, each step under its own
-# time limit and writing its JSON under $OUT as soon as it has numbers. The whole script stays
-# under 6 minutes (step limits 110 + 60 + 170 s, plus the wheel install), so a rerun fits in the
-# 15 minutes a task is lent. The device call (README, "GPU check"):
+# GPU tests, the kernel benchmark and an end-to-end throughput sweep with and without CUDA graphs,
+# each step under its own time limit and writing its JSON under $OUT as soon as it has numbers.
+# The step limits are 110 + 60 + 170 + 100 s, plus the wheel install (the first H200 run took
+# 144 s before the eager step was added), so a rerun fits in the 15 minutes a task is lent. The
+# device call (README, "GPU check"):
 #
-#   command: bash benchmarks/gpu_check.sh    carry: [".whl"]    timeout_s: 420
+#   command: bash benchmarks/gpu_check.sh    carry: [".whl"]    timeout_s: 480
 #
 # .whl/ (make gpu-wheels) holds every other package the steps import, installed offline first.
 # GPU_CHECK_DRY_RUN=1 runs the same steps on the CPU at toy sizes (Triton's interpreter):
@@ -68,6 +69,10 @@ step bench-kernels 60 "$PY" -m benchmarks.kernels --output-dir "$OUT" "${kernel_
 # End to end on dummy weights against HF static batching, one timed run per size.
 step throughput 170 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
     "${sweep[@]}" --repeats 1 --peers hf-static --tag throughput --output-dir "$OUT"
+
+# The same sweep with every step eager (no CUDA graphs), pagedspec alone: what the graphs buy.
+step throughput-eager 100 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
+    "${sweep[@]}" --repeats 1 --peers '' --enforce-eager --tag throughput-eager --output-dir "$OUT"
 
 # Tensor parallelism over NCCL (issue 18): a TP=2 run where there are two GPUs.
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 import kernels
 from engine.config import EngineConfig
+from engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
 from engine.model_loader import load_model_config, model_kv_shape
@@ -105,6 +106,13 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         max_context = max_model_len + _WARMUP_CONTEXT_SLACK
         heads = int(model_config.num_attention_heads) // shard.size
         kernels.warmup(heads, *local.kv_caches[0], max_context, config.attention_backend)
+        if index == 0 and tp is None and uses_cuda_graphs(config, device):
+            local.graphs = DecodeGraphs(
+                local,
+                graph_batch_sizes(config.max_num_seqs),
+                -(-max_model_len // config.block_size),
+                CudaGraphCapture(),
+            )
         return local if tp is None else DistributedRunner(local, index, tp)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

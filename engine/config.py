@@ -125,6 +125,8 @@ class EngineConfig:
     # at load to GGUF Q8_0, "q4_1" to Q4_1 but the LM head to Q8_0 (a Q8_0 / Q4_1 GGUF file's
     # tensors keep their shipped values bit for bit: the default model runs its file's numbers).
     quantization: str | None = None
+    # CUDA: decode steps replay graphs captured at start-up (engine.cuda_graphs) unless True.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class ModelRunner:
         self.block_size = kv_caches[0][0].shape[1]
         self.attention_backend = attention_backend
         self.device = device
+        # Decode steps replayed as CUDA graphs (engine.cuda_graphs); None: always eager.
+        self.graphs: DecodeGraphs | None = None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: the only KV copy the engine ever makes."""
@@ -90,7 +96,11 @@ class ModelRunner:
         ``return_hidden`` the final hidden states of every token too, after those of the layers
         in ``hidden_layers`` (``LlamaModel.forward``'s ``capture``). ``features`` (one row per
         token) go to a model that reads them (a draft head), which computes only the rows that
-        take logits: its hidden states are those rows'."""
+        take logits: its hidden states are those rows'. Decode steps that ``graphs`` fit replay
+        a captured graph: their logits are valid until the next forward."""
+        plain = features is None and not return_hidden and not hidden_layers
+        if plain and self.graphs is not None and self.graphs.fits(spans):
+            return self.graphs.run(spans)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -317,13 +317,18 @@ def test_gpu_check_benchmark_commands_parse():
     assert [module for module, _ in commands] == [
         "benchmarks.kernels",
         "benchmarks.throughput",
+        "benchmarks.throughput",  # the same sweep eager
         "benchmarks.throughput",  # the TP=2 step, on two GPUs
     ]
-    kernels_args, throughput_args, tp_args = (_parse(m, shlex.split(argv)) for m, argv in commands)
+    kernels_args, throughput_args, eager_args, tp_args = (
+        _parse(m, shlex.split(argv)) for m, argv in commands
+    )
     assert not kernels_args.tiny
-    assert (throughput_args.device, throughput_args.dtype) == ("cuda", "bfloat16")
-    assert throughput_args.batch_sizes == "1,16,64,256"
-    assert throughput_args.model_config == "llama-3.2-1b"
+    for args in (throughput_args, eager_args):
+        assert (args.device, args.dtype) == ("cuda", "bfloat16")
+        assert args.batch_sizes == "1,16,64,256"
+        assert args.model_config == "llama-3.2-1b"
+    assert eager_args.enforce_eager and not throughput_args.enforce_eager
     assert tp_args.tensor_parallel_size == 2
 
 

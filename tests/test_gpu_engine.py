@@ -93,3 +93,28 @@ def test_gpu_serving_compiles_nothing_after_warmup():
         while engine.has_unfinished_requests():
             engine.step()
     assert _compiled_kernels() == compiled, "a kernel variant was compiled while serving"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_cuda_graphs_give_the_eager_tokens(tiny_llama):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 60, 5)]
+    tokens = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(
+            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=16,
+            num_kv_blocks=256, enforce_eager=eager,
+        ))  # fmt: skip
+        assert (engine.runner.graphs is None) == eager
+        for i, ids in enumerate(prompts):  # finishing one by one: every padded size replays
+            params = SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+            engine.add_request(str(i), ids, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[eager, out.request_id] = list(out.outputs[0].token_ids)
+        if not eager:
+            assert engine.runner.graphs.replays >= 2 * len(prompts)
+    assert all(tokens[False, str(i)] == tokens[True, str(i)] for i in range(len(prompts)))

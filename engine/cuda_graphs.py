@@ -1,0 +1,154 @@
+"""Decode steps replayed as CUDA graphs: one captured forward per padded batch size.
+
+A decode step launches hundreds of small kernels (534 for Llama-3.2-1B); the host cannot issue
+them as fast as an H200 runs them (the first GPU check: the GPU busy about 1.6 ms of a 12 ms
+step at batch 1). A graph replays the whole forward with one launch. Its inputs live in static
+buffers: a step of b decode tokens fills the first b rows and is padded to the next captured
+size with rows whose logits nobody reads.
+
+Invariants:
+- Only decode steps are graphed: every span one token with one logit row, at most the largest
+  captured batch, block tables at most ``max_blocks`` wide. Anything else runs eagerly.
+- A padding row writes no KV (slot -1) and attends to one position of the block its table row
+  names first. Every table entry, stale ones included, is a block id handed out earlier, so
+  reading it is harmless.
+- The table buffer keeps its full width at capture and replay: the attention launch (tile
+  shape, split count) depends on shapes only, so the captured launch fits every replay.
+- The logits returned are a view of the graph's output: valid until the next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.models.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner, Span
+
+# (replay, output): replay() recomputes output in place from the static buffers.
+Captured = tuple[Callable[[], object], torch.Tensor]
+MAX_GRAPH_BATCH = 256
+
+
+def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Graphs on CUDA with the Triton kernels (no host sync in a step), unless enforce_eager."""
+    backend = config.attention_backend in ("auto", "triton")
+    return device.type == "cuda" and backend and not config.enforce_eager
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 below min(max_num_seqs, MAX_GRAPH_BATCH), then it."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    return [b for b in (1, 2, 4, 8, *range(16, top, 16)) if b < top] + [top]
+
+
+class CudaGraphCapture:
+    """Captures a forward into a torch.cuda.CUDAGraph; every capture shares one memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def __call__(self, forward: Callable[[], torch.Tensor]) -> Captured:
+        forward()  # warm-up outside the capture: lazy initialisation, Triton compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.pool = graph.pool()
+        return graph.replay, out
+
+
+def rerun_capture(forward: Callable[[], torch.Tensor]) -> Captured:
+    """CudaGraphCapture's stand-in off CUDA (the tests): replay reruns the forward eagerly on the
+    same static buffers and copies into the same output, so everything but the graph is tested."""
+    out = forward()
+    return (lambda: out.copy_(forward())), out
+
+
+class DecodeGraphs:
+    """The static input buffers and one captured forward per batch size of ``batch_sizes``."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch_sizes: Sequence[int],
+        max_blocks: int,
+        capture: Callable[[Callable[[], torch.Tensor]], Captured],
+    ) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_blocks = max_blocks
+        n = self.batch_sizes[-1]
+        device = runner.device
+        # ids, positions, slots (-1: write nothing); cu_query_lens then seq_lens (one token each)
+        self.int64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.int64[2] = -1
+        self.int32 = torch.cat([torch.arange(n + 1), torch.ones(n)]).to(device, torch.int32)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.replays = 0  # graphed steps so far
+        self.graphs: dict[int, Captured] = {}
+        with torch.inference_mode():
+            for b in reversed(self.batch_sizes):  # the largest first: the pool then fits all
+                self.graphs[b] = capture(lambda b=b: self._forward(b))
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model over the first ``b`` rows of the static buffers -> float32 logits [b, V]."""
+        n = self.batch_sizes[-1]
+        ids, positions, slots = self.int64[:, :b]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            cu_query_lens=self.int32[: b + 1],
+            seq_lens=self.int32[n + 1 : n + 1 + b],
+            block_tables=self.block_tables[:b],
+            backend=self.runner.attention_backend,
+        )
+        model = self.runner.model
+        return model.compute_logits(model(ids, positions, self.runner.kv_caches, meta))
+
+    def fits(self, spans: Sequence[Span]) -> bool:
+        size = self.runner.block_size
+        return 0 < len(spans) <= self.batch_sizes[-1] and all(
+            len(s.token_ids) == 1
+            and s.num_logits == 1
+            and len(s.block_table) <= self.max_blocks
+            and s.start < len(s.block_table) * size
+            for s in spans
+        )
+
+    def run(self, spans: Sequence[Span]) -> torch.Tensor:
+        """Logits [len(spans), V] of a decode step (``fits``), replayed at the next captured
+        size; the padding rows keep the buffers' padding values (slot -1, one-token spans)."""
+        b, n, size = len(spans), self.batch_sizes[-1], self.runner.block_size
+        padded = next(g for g in self.batch_sizes if g >= b)
+        ids, positions, slots, lens = [], [], [], []
+        for s in spans:
+            pos = s.start
+            ids.append(s.token_ids[0])
+            positions.append(pos)
+            slots.append(s.block_table[pos // size] * size + pos % size)
+            lens.append(pos + 1)
+        width = max(len(s.block_table) for s in spans)
+        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
+        pad = n - b
+        int64 = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
+        int32 = torch.tensor([*range(n + 1), *lens, *[1] * pad], dtype=torch.int32)
+        table = torch.tensor(tables, dtype=torch.int32)
+        self._copy(self.int64, int64)
+        self._copy(self.int32, int32)
+        self._copy(self.block_tables[:b, :width], table)
+        replay, out = self.graphs[padded]
+        replay()
+        self.replays += 1
+        return out[:b]
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host to device; on CUDA from pinned memory, asynchronously (the pinned-block cache
+        reuses a block only once its copy is done)."""
+        if dst.device.type == "cuda":
+            src = src.pin_memory()
+        dst.copy_(src, non_blocking=dst.device.type == "cuda")
