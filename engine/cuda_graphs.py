@@ -15,6 +15,12 @@ Invariants:
 - The table buffer keeps its full width at capture and replay: the attention launch (tile
   shape, split count) depends on shapes only, so the captured launch fits every replay.
 - The logits returned are a view of the graph's output: valid until the next forward.
+
+Replays compute what the eager step computes, not the same bits: the matmuls run on the padded
+row count and the attention launch is planned for the full table width (more KV splits), so
+library kernels and summation order may differ. Greedy tokens matched eager ones in the GPU
+test (tiny model, float32); long bfloat16 generations can drift apart, as between any two
+batch sizes.
 """
 
 from __future__ import annotations
@@ -36,9 +42,16 @@ MAX_GRAPH_BATCH = 256
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
-    """Graphs on CUDA with the Triton kernels (no host sync in a step), unless enforce_eager."""
+    """Graphs on CUDA with the compiled Triton kernels (no host sync in a step), unless
+    enforce_eager. Not under TRITON_INTERPRET=1: the interpreter copies tensors to the host."""
     backend = config.attention_backend in ("auto", "triton")
-    return device.type == "cuda" and backend and not config.enforce_eager
+    if device.type != "cuda" or not backend or config.enforce_eager:
+        return False
+    # only on CUDA: a CPU process never imports triton
+    from kernels.triton_attention import _attention_kernel
+    from kernels.triton_setup import interpreted
+
+    return not interpreted(_attention_kernel)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -85,10 +98,13 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         n = self.batch_sizes[-1]
         device = runner.device
-        # ids, positions, slots (-1: write nothing); cu_query_lens then seq_lens (one token each)
+        # ids, positions, slots (-1: write nothing); cu_query_lens, then seq_lens (one token
+        # each) from a 16-byte boundary like the eager runner's (Triton specialises on alignment)
         self.int64 = torch.zeros(3, n, dtype=torch.int64, device=device)
         self.int64[2] = -1
-        self.int32 = torch.cat([torch.arange(n + 1), torch.ones(n)]).to(device, torch.int32)
+        self.lens_at = -(-(n + 1) // 4) * 4
+        cu = torch.arange(self.lens_at).clamp(max=n)
+        self.int32 = torch.cat([cu, torch.ones(n)]).to(device, torch.int32)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.replays = 0  # graphed steps so far
         self.graphs: dict[int, Captured] = {}
@@ -98,12 +114,11 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """The model over the first ``b`` rows of the static buffers -> float32 logits [b, V]."""
-        n = self.batch_sizes[-1]
         ids, positions, slots = self.int64[:, :b]
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_query_lens=self.int32[: b + 1],
-            seq_lens=self.int32[n + 1 : n + 1 + b],
+            seq_lens=self.int32[self.lens_at : self.lens_at + b],
             block_tables=self.block_tables[:b],
             backend=self.runner.attention_backend,
         )
@@ -136,7 +151,8 @@ class DecodeGraphs:
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
         pad = n - b
         int64 = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-        int32 = torch.tensor([*range(n + 1), *lens, *[1] * pad], dtype=torch.int32)
+        cu = [min(i, n) for i in range(self.lens_at)]
+        int32 = torch.tensor([*cu, *lens, *[1] * pad], dtype=torch.int32)
         table = torch.tensor(tables, dtype=torch.int32)
         self._copy(self.int64, int64)
         self._copy(self.int32, int32)
