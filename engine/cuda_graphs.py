@@ -151,11 +151,11 @@ class DecodeGraphs:
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
         pad = n - b
         int64 = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-        cu = [min(i, n) for i in range(self.lens_at)]
-        int32 = torch.tensor([*cu, *lens, *[1] * pad], dtype=torch.int32)
+        # cu_query_lens never change (one token per row): only the seq_lens after them do
+        seq_lens = torch.tensor(lens + [1] * pad, dtype=torch.int32)
         table = torch.tensor(tables, dtype=torch.int32)
         self._copy(self.int64, int64)
-        self._copy(self.int32, int32)
+        self._copy(self.int32[self.lens_at :], seq_lens)
         self._copy(self.block_tables[:b, :width], table)
         replay, out = self.graphs[padded]
         replay()
