@@ -206,6 +206,10 @@ def draw_rows(
 # Lanes per chunk of inverse_cdf's first level: a row's chunk sums are one pass over it, and
 # the chosen chunk's prefix sums are short.
 _CDF_CHUNK = 256
+# Up to this many weights (rows x lanes) one float64 prefix sum per row costs less than the
+# two levels on the CPU (one row of 49152 lanes: 172 against 295 us; 15 rows of 8192: 283
+# against 364; but 4 rows of 49152: 341 against 306): a decode row, a drafter's rows.
+_ONE_LEVEL_MAX_WEIGHTS = 1 << 17
 
 
 def uniform_draws(
@@ -228,8 +232,11 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     of its mass), then a lane by float64 prefix sums inside the chosen chunk only, onto which
     the point is rescaled, so a lane's share of its chunk is exact. The point is kept strictly
     below each level's total, so float rounding can only move it to the last lane with weight,
-    never past it. No host sync.
+    never past it. No host sync. Few weights in all (``_ONE_LEVEL_MAX_WEIGHTS``) take one
+    float64 prefix sum per row instead, exact to ~V * 2^-53 of the row's mass.
     """
+    if weights.numel() <= _ONE_LEVEL_MAX_WEIGHTS:
+        return _one_level_inverse_cdf(weights, uniforms)
     rows, vocab = weights.shape
     pad = -vocab % _CDF_CHUNK
     padded = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
@@ -247,6 +254,15 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     rest = torch.minimum(rest, torch.nextafter(last, last.new_zeros(())))
     lane = torch.searchsorted(inner, rest, right=True).clamp_(max=_CDF_CHUNK - 1)
     ids = (chunk * _CDF_CHUNK + lane)[:, 0].clamp_(max=vocab - 1)
+    return torch.where(total[:, 0] > 0, ids, 0)
+
+
+def _one_level_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``inverse_cdf`` over one float64 prefix sum per row, the point kept below the total."""
+    cdf = weights.double().cumsum(-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
+    ids = torch.searchsorted(cdf, point, right=True)[:, 0]
     return torch.where(total[:, 0] > 0, ids, 0)
 
 
@@ -269,27 +285,6 @@ def sample_from_probs(
     rows = [shared_generator if g is None else g for g in generators]
     (uniforms,) = draw_rows(rows, draw)
     return inverse_cdf(probs, uniforms)
-
-
-def race_from_probs(
-    probs: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
-    shared_generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Sample one id per row of probs [N, V] (weights >= 0) by the exponential race: the argmax
-    of w_i / E_i, E_i ~ Exp(1) in float64, is i with probability w_i / sum(w); a zero lane
-    never wins (a row with no weight returns 0). Three ops where ``inverse_cdf`` runs fifteen
-    (a drafter's row took 0.29 ms there), at V draws per row instead of one: the drafters use
-    it, the target keeps ``sample_from_probs``'s one uniform per seeded row. Rows draw as in
-    ``sample_from_probs``: a seeded row from its own generator, the others together."""
-
-    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
-        races = torch.empty((m, probs.shape[1]), dtype=torch.float64, device=probs.device)
-        return (races.exponential_(generator=gen),)
-
-    rows = [shared_generator if g is None else g for g in generators]
-    (races,) = draw_rows(rows, draw)
-    return (probs.double() / races).argmax(-1)
 
 
 class Sampler:

@@ -12,7 +12,6 @@ from engine.sampler import (
     argmax_rows,
     inverse_cdf,
     processed_probs,
-    race_from_probs,
     sample_from_probs,
     token_logprobs,
 )
@@ -208,31 +207,20 @@ def test_padding_lanes_and_zero_weights_are_never_sampled():
     assert stat < threshold
 
 
-def test_the_exponential_race_follows_the_weights_and_seeded_rows_keep_their_draws():
-    """race_from_probs: frequencies follow w / sum(w) (unnormalised, zero lanes, a tiny lane)
-    at the p = 1e-4 chi-square quantile; a zero lane never wins; a row with no weight gives 0;
-    a seeded row's sample does not depend on the rows beside it."""
-    gen = torch.Generator().manual_seed(13)
-    n, vocab = 40_000, 300
-    weights = torch.zeros(vocab)
-    weights[[0, 7, 150, 299]] = torch.tensor([0.5, 3.0, 1.0, 0.02])
-    ids = race_from_probs(weights.expand(n, vocab), [None] * n, gen)
-    counts = torch.bincount(ids, minlength=vocab)
-    assert counts[weights == 0].sum() == 0
-    stat, threshold = chi_square(counts, weights / weights.sum())
-    assert stat < threshold
-    assert race_from_probs(torch.zeros(2, vocab), [None] * 2, gen).tolist() == [0, 0]
-
-    def seeded() -> torch.Generator:
-        return torch.Generator().manual_seed(99)
-
-    probs = torch.rand(3, vocab, generator=gen)
-    alone = race_from_probs(probs[1:2], [seeded()], gen)
-    beside = race_from_probs(probs, [None, seeded(), None], gen)
-    assert beside[1] == alone[0]
+@pytest.fixture(params=["two levels", "one level"])
+def cdf_levels(request, monkeypatch):
+    """Run an inverse_cdf test through each of its paths, whatever the size of its weights."""
+    limit = 0 if request.param == "two levels" else 1 << 62
+    monkeypatch.setattr("engine.sampler._ONE_LEVEL_MAX_WEIGHTS", limit)
 
 
-def test_inverse_cdf_over_many_chunks_follows_the_weights():
+def batched_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf over 20k rows at a time (the one level holds a float64 copy of them)."""
+    pieces = zip(weights.split(20_000), uniforms.split(20_000), strict=True)
+    return torch.cat([inverse_cdf(w, u) for w, u in pieces])
+
+
+def test_inverse_cdf_over_many_chunks_follows_the_weights(cdf_levels):
     """A vocabulary of several first-level chunks, not a multiple of the chunk (so padded),
     with empty chunks (the first and the last among them), a heavy lane and a tiny one:
     frequencies follow w / sum(w), and u = 0 and u = 1 land on the first and last lanes with
@@ -247,14 +235,14 @@ def test_inverse_cdf_over_many_chunks_follows_the_weights():
     w[513] = 1e-3
     n = 400_000
     uniforms = torch.rand(n, dtype=torch.float64, generator=gen)
-    ids = inverse_cdf(w.expand(n, vocab), uniforms)
+    ids = batched_inverse_cdf(w.expand(n, vocab), uniforms)
     stat, threshold = chi_square(torch.bincount(ids, minlength=vocab), w.double() / w.sum())
     assert stat < threshold
     edges = torch.tensor([0.0, 1.0], dtype=torch.float64)
     assert inverse_cdf(w.expand(2, vocab), edges).tolist() == [300, 999]
 
 
-def test_inverse_cdf_keeps_rows_apart_and_small_lanes_and_bad_rows_defined():
+def test_inverse_cdf_keeps_rows_apart_and_small_lanes_and_bad_rows_defined(cdf_levels):
     vocab, n = 1100, 3000
     w = torch.zeros(3, vocab)
     w[0, 10:20] = 1.0  # chunk 0 only

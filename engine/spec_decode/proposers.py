@@ -19,7 +19,7 @@ import torch
 
 from engine.model_runner import ModelRunner, Span
 from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import SamplingBatch, processed_probs, race_from_probs
+from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram import propose_ngram
 from scheduler import ScheduledSequence
@@ -242,7 +242,7 @@ def draw_drafts(
         )
         for p, (_, position) in zip(params, rows, strict=True)
     ]
-    return race_from_probs(q, generators, generator), q
+    return sample_from_probs(q, generators, generator), q
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
