@@ -122,12 +122,10 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
     proposer = None
     if draft is not None:
         proposer = DraftModelProposer(
-            runner(draft.model, draft.config, 1), config.seed + 1, spec.draft_confidence
+            runner(draft.model, draft.config, 1), config.seed + 1, spec.chain_stop
         )
     elif head is not None:
-        proposer = EagleProposer(
-            runner(head, head.config, 1), config.seed + 1, spec.draft_confidence
-        )
+        proposer = EagleProposer(runner(head, head.config, 1), config.seed + 1, spec.chain_stop)
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     manager = SpeculationManager(spec, proposer, max_model_len)

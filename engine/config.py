@@ -10,10 +10,27 @@ SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
 # "int8": Q8_0; "q4_1": Q4_1 (the LM head Q8_0, as llama.cpp's Q4_1 files ship it).
 QUANTIZATIONS = (None, "int8", "q4_1")
-# The shipped head's chain stop, chosen on held-out chat (benchmarks/spec_decode.py, and the
-# offline estimate "chain_stop" in the head's manifest.json): at k=4 it drafts ~1.6 tokens a
-# round instead of 4 and keeps ~90% of the accepted ones.
-DEFAULT_MIN_DRAFT_CONFIDENCE = 0.3
+
+
+@dataclass(frozen=True)
+class ChainStop:
+    """A drafter's chain stop (``SpeculativeConfig.min_draft_confidence``): the threshold for a
+    greedy request's chain, and for a sampled one's."""
+
+    greedy: float = 0.0
+    sampled: float = 0.0
+
+    def threshold(self, greedy: bool) -> float:
+        return self.greedy if greedy else self.sampled
+
+
+# The shipped head's chain stop, chosen on held-out chat prompts 8-39 (the benchmark measures
+# 0-7) at batch 1, k=4, each threshold against no speculation in one process, twice over:
+# greedy 0.2 gave 1.56x and 1.55x where 0.3 gave 1.52x and 1.49x (0.15: 1.46x); at temperature
+# 0.8, where the raw top-1 probability overstates a sampled draft's acceptance, 0.3 gave 1.20x
+# and 1.24x, 0.2 1.16x and 1.17x. At 0.3 the head drafts ~1.6 tokens a round instead of 4.
+DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.3)
+NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 
 
@@ -41,9 +58,9 @@ class SpeculativeConfig:
     ``min_draft_confidence``: a draft model or head stops a sequence's chain once the product
     of its drafts' top-1 probabilities falls below this (EAGLE-2's dynamic draft length: a
     draft past that point is rarely accepted and costs a drafter forward and a verified row);
-    the first draft is always made. None: ``DEFAULT_MIN_DRAFT_CONFIDENCE`` for eagle, 0 (every
-    chain runs to k) for a draft model. Which drafts are made depends on q alone, never on
-    the target's p, so verification stays exact.
+    the first draft is always made. None: ``DEFAULT_CHAIN_STOP`` for eagle (0.2 for greedy
+    requests, 0.3 for sampled ones), 0 (every chain runs to k) for a draft model. Which drafts
+    are made depends on q alone, never on the target's p, so verification stays exact.
     """
 
     method: str = "ngram"
@@ -87,11 +104,12 @@ class SpeculativeConfig:
         return 0 if self.method == "eagle" else DEFAULT_MAX_DRAFT_SKIP
 
     @property
-    def draft_confidence(self) -> float:
+    def chain_stop(self) -> ChainStop:
         """``min_draft_confidence`` with its per-method default filled in."""
         if self.min_draft_confidence is not None:
-            return float(self.min_draft_confidence)
-        return DEFAULT_MIN_DRAFT_CONFIDENCE if self.method == "eagle" else 0.0
+            c = float(self.min_draft_confidence)
+            return ChainStop(c, c)
+        return DEFAULT_CHAIN_STOP if self.method == "eagle" else NO_CHAIN_STOP
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ from conftest import build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.config import DEFAULT_MAX_DRAFT_SKIP, DEFAULT_MIN_DRAFT_CONFIDENCE
+from engine.config import DEFAULT_CHAIN_STOP, DEFAULT_MAX_DRAFT_SKIP, NO_CHAIN_STOP, ChainStop
+from engine.model_runner import Span
 from engine.penalties import TokenHistory
 from engine.spec_decode.backoff import DraftBackoff
-from engine.spec_decode.proposers import NgramProposer, Proposal, draw_drafts
+from engine.spec_decode.proposers import NgramProposer, Proposal, chain_drafts, draw_drafts
 
 PROMPTS = [
     "one two three four five one two three four five one two three",
@@ -177,6 +179,35 @@ def test_draft_confidence_shortens_chains_and_keeps_greedy_output(tiny_llama, pa
     assert 1.2 < middle < full - 0.3, drafts_per_round
 
 
+def test_the_chain_stop_applies_each_requests_own_threshold():
+    """chain_drafts with a drafter whose top-1 probability is always 1/2 (confidence 1/2, 1/4,
+    1/8, ... after each draft): a greedy request stops at ChainStop.greedy, a sampled one in
+    the same batch at ChainStop.sampled, neither past k."""
+    top = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+
+    def forward(spans, owners):
+        return top.expand(len(spans), 3).clone()
+
+    def draw(logits, rows):
+        return [0] * len(rows), logits.softmax(-1)
+
+    def sequence(seq_id: int) -> SimpleNamespace:
+        seq = SimpleNamespace(seq_id=seq_id, token_ids=[1, 2, 3], num_prompt_tokens=2)
+        return SimpleNamespace(seq=seq, start=2, block_table=[0])
+
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
+    for stop, lengths in ((ChainStop(0.4, 0.2), [2, 3, 2]), (ChainStop(0.2, 0.4), [3, 2, 3])):
+        scheduled = [sequence(i) for i in range(3)]
+        spans = [Span([3], 2, 1, [0]) for _ in scheduled]
+        written = {i: (3, []) for i in range(3)}
+        params = [greedy, sampled, greedy]
+        drafts, _ = chain_drafts(scheduled, [4, 4, 4], params, spans, forward, draw, written, stop)
+        assert [len(d) for d in drafts] == lengths
+    drafts, _ = chain_drafts(scheduled, [2, 4, 4], params, spans, forward, draw, written,
+                             ChainStop(0.0, 0.0))  # fmt: skip
+    assert [len(d) for d in drafts] == [2, 4, 4]
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.5, "high"])
 def test_draft_confidence_out_of_range_is_rejected(value):
     with pytest.raises(ValueError, match=r"min_draft_confidence must be in \[0, 1\]"):
@@ -185,11 +216,14 @@ def test_draft_confidence_out_of_range_is_rejected(value):
 
 def test_draft_confidence_and_backoff_defaults_per_method():
     eagle, draft = SpeculativeConfig(method="eagle"), SpeculativeConfig("draft", draft_model="x")
-    assert eagle.draft_confidence == DEFAULT_MIN_DRAFT_CONFIDENCE > 0 and eagle.draft_skip == 0
-    assert draft.draft_confidence == 0.0 and draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
+    assert eagle.chain_stop == DEFAULT_CHAIN_STOP and eagle.draft_skip == 0
+    assert 0 < DEFAULT_CHAIN_STOP.greedy < DEFAULT_CHAIN_STOP.sampled
+    assert draft.chain_stop == NO_CHAIN_STOP == ChainStop(0.0, 0.0)
+    assert draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
     assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram
     explicit = SpeculativeConfig(method="eagle", min_draft_confidence=0, max_draft_skip=4)
-    assert explicit.draft_confidence == 0.0 and explicit.draft_skip == 4
+    assert explicit.chain_stop == NO_CHAIN_STOP and explicit.draft_skip == 4
+    assert SpeculativeConfig("eagle", min_draft_confidence=0.5).chain_stop == ChainStop(0.5, 0.5)
     with pytest.raises(ValueError, match="max_draft_skip must be an integer >= 0"):
         SpeculativeConfig(max_draft_skip=-1)
 

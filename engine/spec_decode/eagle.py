@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from engine.config import NO_CHAIN_STOP, ChainStop
 from engine.model_loader import LoadedModel, default_dtype
 from engine.model_runner import ModelRunner, Span
 from engine.models.eagle import EagleHead
@@ -93,11 +94,13 @@ class EagleProposer:
     runs_every_span = True
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0) -> None:
+    def __init__(
+        self, runner: ModelRunner, seed: int, chain_stop: ChainStop = NO_CHAIN_STOP
+    ) -> None:
         self.runner = runner
         self.head = runner.model
         self.hidden_layers = self.head.feature_layers
-        self.min_confidence = min_confidence
+        self.chain_stop = chain_stop
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self.max_deferred = MAX_DEFERRED
         self._states: dict[int, _State] = {}
@@ -136,7 +139,7 @@ class EagleProposer:
         first_features = torch.cat(features)
         chains, qs = chain_drafts(
             [scheduled[i] for i in fed], [ks[i] for i in fed], [params[i] for i in fed],
-            spans, forward, self._draw, written, self.min_confidence,
+            spans, forward, self._draw, written, self.chain_stop,
         )  # fmt: skip
         for i, chain, q in zip(fed, chains, qs, strict=True):
             drafts[i], sampled[i] = chain, q

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from engine.config import NO_CHAIN_STOP, ChainStop
 from engine.model_runner import ModelRunner, Span
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
@@ -144,10 +145,10 @@ class DraftModelProposer:
     needs_target_hidden = False
     hidden_layers = ()
 
-    def __init__(self, runner: ModelRunner, seed: int, min_confidence: float = 0.0):
+    def __init__(self, runner: ModelRunner, seed: int, chain_stop: ChainStop = NO_CHAIN_STOP):
         self.runner = runner
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
-        self.min_confidence = min_confidence
+        self.chain_stop = chain_stop
         self._valid: dict[int, int] = {}  # seq_id → tokens whose draft KV is valid
 
     def propose(
@@ -173,7 +174,7 @@ class DraftModelProposer:
             return ids.tolist(), q
 
         drafts, sampled = chain_drafts(
-            scheduled, ks, params, spans, forward, draw, written, self.min_confidence
+            scheduled, ks, params, spans, forward, draw, written, self.chain_stop
         )
         return Proposal(drafts, sampled, written)
 
@@ -259,26 +260,28 @@ def chain_drafts(
     forward: Forward,
     draw: Draw,
     written: dict[int, tuple[int, list[int]]],
-    min_confidence: float = 0.0,
+    chain_stop: ChainStop = NO_CHAIN_STOP,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Chain drafting shared by the draft model and the EAGLE head: ``forward(spans, owners)``
     runs the drafter (``owners[j]`` = the scheduled index of span j; the first call gets
     ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
     in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
-    probabilities (softmax of the raw logits) falls below ``min_confidence``. Returns the
+    probabilities (softmax of the raw logits) falls below ``chain_stop``'s threshold for the
+    request (greedy or sampled). Returns the
     drafts and, per sequence, q stacked where the drafts were sampled (None where argmax)."""
     drafts: list[list[int]] = [[] for _ in scheduled]
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
     confidence = [1.0] * len(scheduled)
     active = [i for i, k in enumerate(ks) if k]
+    stop = {i: chain_stop.threshold(params[i].greedy) for i in active}
     logits = forward(spans, list(range(len(spans))))
     step = 0
     while active:
         rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
                 for i in active]  # fmt: skip
         tokens, q = draw(logits, rows)
-        if min_confidence > 0:
+        if any(stop[i] > 0 for i in active):
             top = torch.softmax(logits.float(), -1).amax(-1).tolist()
             for j, i in enumerate(active):
                 confidence[i] *= top[j]
@@ -286,7 +289,7 @@ def chain_drafts(
             drafts[i].append(tokens[j])
             if q is not None:  # None: every row greedy, and greedy drafts keep no q
                 probs[i].append(q[j])
-        active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= min_confidence]
+        active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= stop[i]]
         if not active:
             break
         spans = []
