@@ -28,7 +28,8 @@ class ChainStop:
 # 0-7) at batch 1, k=4, each threshold against no speculation in one process, twice over:
 # greedy 0.2 gave 1.56x and 1.55x where 0.3 gave 1.52x and 1.49x (0.15: 1.46x); at temperature
 # 0.8, where the raw top-1 probability overstates a sampled draft's acceptance, 0.3 gave 1.20x
-# and 1.24x, 0.2 1.16x and 1.17x. At 0.3 the head drafts ~1.6 tokens a round instead of 4.
+# and 1.24x, 0.2 1.16x and 1.17x. The margins are within this CPU's run-to-run noise: on
+# prompts 0-7 greedy 0.3 led by ~2% (the sweep script and its runs: issue 14's notes).
 DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.3)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)

@@ -191,21 +191,21 @@ def test_the_chain_stop_applies_each_requests_own_threshold():
     def draw(logits, rows):
         return [0] * len(rows), logits.softmax(-1)
 
-    def sequence(seq_id: int) -> SimpleNamespace:
-        seq = SimpleNamespace(seq_id=seq_id, token_ids=[1, 2, 3], num_prompt_tokens=2)
-        return SimpleNamespace(seq=seq, start=2, block_table=[0])
-
-    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
-    for stop, lengths in ((ChainStop(0.4, 0.2), [2, 3, 2]), (ChainStop(0.2, 0.4), [3, 2, 3])):
-        scheduled = [sequence(i) for i in range(3)]
+    def chain_lengths(stop: ChainStop, ks: list[int]) -> list[int]:
+        seq = [
+            SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2)
+            for i in range(len(ks))
+        ]
+        scheduled = [SimpleNamespace(seq=s, start=2, block_table=[0]) for s in seq]
         spans = [Span([3], 2, 1, [0]) for _ in scheduled]
-        written = {i: (3, []) for i in range(3)}
-        params = [greedy, sampled, greedy]
-        drafts, _ = chain_drafts(scheduled, [4, 4, 4], params, spans, forward, draw, written, stop)
-        assert [len(d) for d in drafts] == lengths
-    drafts, _ = chain_drafts(scheduled, [2, 4, 4], params, spans, forward, draw, written,
-                             ChainStop(0.0, 0.0))  # fmt: skip
-    assert [len(d) for d in drafts] == [2, 4, 4]
+        written = {s.seq_id: (3, []) for s in seq}
+        params = [SamplingParams(temperature=t) for t in (0.0, 0.8, 0.0)]
+        drafts, _ = chain_drafts(scheduled, ks, params, spans, forward, draw, written, stop)
+        return [len(d) for d in drafts]
+
+    assert chain_lengths(ChainStop(0.4, 0.2), [4, 4, 4]) == [2, 3, 2]
+    assert chain_lengths(ChainStop(0.2, 0.4), [4, 4, 4]) == [3, 2, 3]
+    assert chain_lengths(NO_CHAIN_STOP, [2, 4, 4]) == [2, 4, 4]
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, "high"])

@@ -268,8 +268,8 @@ def chain_drafts(
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
     in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
     probabilities (softmax of the raw logits) falls below ``chain_stop``'s threshold for the
-    request (greedy or sampled). Returns the
-    drafts and, per sequence, q stacked where the drafts were sampled (None where argmax)."""
+    request (greedy or sampled). Returns the drafts and, per sequence, q stacked where the
+    drafts were sampled (None where argmax)."""
     drafts: list[list[int]] = [[] for _ in scheduled]
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
     confidence = [1.0] * len(scheduled)
