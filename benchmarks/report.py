@@ -227,7 +227,7 @@ EAGLE_COLUMNS = (
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
     "{r[mean_accepted_length]:.2f} | drafts/verification={drafts:.2f} | "
     "acceptance by draft position={by_position} | "
-    "same tokens={r[same_tokens_as_reference]:.0%}"
+    "same tokens={r[same_tokens_as_reference]:.0%} | speedup by pass={by_pass}"
 )
 
 
@@ -287,9 +287,10 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
 
 def _render_eagle(e: dict) -> list[str]:
     runs, cost = e["runs"], e["draft_cost"]
-    reference = {0: runs["none"]["tokens_per_s"], 1: runs["none-t"]["tokens_per_s"]}
+    reference = {0: runs["none"], 1: runs["none-t"]}
     rows = [{"label": EAGLE_LABELS[name], "r": r,
-             "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0],
+             "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0]["tokens_per_s"],
+             "by_pass": _speedup_by_pass(r, reference[r["temperature"] > 0]),
              "drafts": (r["mean_accepted_length"] - 1) / r["acceptance_rate"]
              if r.get("acceptance_rate") else 0.0,
              "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
@@ -298,8 +299,9 @@ def _render_eagle(e: dict) -> list[str]:
         "",
         f"EAGLE, held-out open chat prompts (`benchmarks/data/chat_heldout.jsonl`), head: "
         f"{e['head']}. Batch 1, k={e['k']}, up to {e['max_tokens']} tokens (stop at EOS), "
-        f"{e['num_prompts']} prompts; speedup against no speculation at the same temperature; "
-        "'same tokens' as above (greedy only).",
+        f"{e['num_prompts']} prompts, {e.get('passes', 1)} timed passes over them; speedup "
+        "against no speculation at the same temperature (pooled over the passes; 'by pass': "
+        "each pass's); 'same tokens' as above (greedy only).",
         "",
         *_table(EAGLE_COLUMNS, rows),
         "",
@@ -309,6 +311,12 @@ def _render_eagle(e: dict) -> list[str]:
         f"{cost['share']:.1%} of a target step.",
         *(_render_sweep("held-out chat", e["batch_sweep"]) if e["batch_sweep"] else []),
     ]
+
+
+def _speedup_by_pass(r: dict, reference: dict) -> str:
+    """Each pass's speedup of run ``r`` over ``reference`` ("" for a single pass)."""
+    ours, theirs = r.get("tokens_per_s_by_pass", []), reference.get("tokens_per_s_by_pass", [])
+    return " / ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs, strict=True))
 
 
 def render_block_manager(p: dict) -> list[str]:

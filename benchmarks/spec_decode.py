@@ -8,7 +8,9 @@ default model) on held-out chat (data/chat_heldout.jsonl), batch 1, k=4, at temp
 tokens per verification, acceptance per draft position, and the draft cost: median ``propose``
 call drafting k tokens, per token, over the
 median target ``ModelRunner.forward`` without speculation (both timed by wrapping the methods).
-Batch-1 configurations take turns on each prompt after a warm-up pass (stop at EOS or max tokens).
+Batch-1 configurations take turns on each prompt after a warm-up pass (stop at EOS or max tokens);
+the EAGLE ones --eagle-passes times over their prompts, each pass's speedup reported beside the
+pooled one (this CPU's speed drifts by 10-25% within minutes).
 Then per method a batch sweep: off, forced on at every B, and the engine default (see ``sweep``).
 """
 
@@ -63,18 +65,26 @@ def engine_call(engine, temperature: float = 0.0):
     return call
 
 
-def take_turns(systems: dict, requests: list[BenchRequest]) -> dict[str, dict]:
-    """Each system (name: call) on each request in turn after a warm-up pass: tokens/s, figures
-    of its speculation, and its outputs (for ``same_tokens``)."""
-    done = {name: [] for name in systems}
-    for i, r in enumerate([requests[0], *requests]):
-        for name, call in systems.items():
-            if i:  # the first pass is the warm-up
-                done[name].append(call(r))
+def take_turns(systems: dict, requests: list[BenchRequest], passes: int = 1) -> dict[str, dict]:
+    """Each system (name: call) on each request in turn, ``passes`` times over the requests after
+    a warm-up pass: tokens/s (pooled, and of each pass), figures of its speculation, and its
+    outputs (for ``same_tokens``)."""
+    done = {name: [[] for _ in range(passes)] for name in systems}
+    for call in systems.values():  # the warm-up
+        call(requests[0])
+    for p in range(passes):
+        for r in requests:
+            for name, call in systems.items():
+                done[name][p].append(call(r))
     results = {}
-    for name, runs in done.items():
+    for name, by_pass in done.items():
+        runs = [r for p in by_pass for r in p]
         seconds, tokens = sum(r[0] for r in runs), sum(len(r[1]) for r in runs)
         result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        if passes > 1:
+            result["tokens_per_s_by_pass"] = [
+                sum(len(r[1]) for r in p) / sum(r[0] for r in p) for p in by_pass
+            ]
         stats = [r[2] for r in runs]
         if sum(s.get("draft_tokens", 0) for s in stats):
             total = lambda key, stats=stats: sum(s[key] for s in stats)
@@ -188,7 +198,7 @@ def run_eagle(args, spec) -> dict:
     target_s = clocked(engines[None].runner, "forward")
     full = lambda scheduled, ks, params: max(ks, default=0) == EAGLE_K  # drafts k tokens
     draft_s = clocked(engines[tuple(FULL.items())].spec.proposer, "propose", full)
-    runs = take_turns(systems, requests)
+    runs = take_turns(systems, requests, args.eagle_passes)
     same_tokens(runs, "none", ["eagle", "eagle-k4", "none"])  # greedy: lossless
     for name, r in runs.items():
         r["temperature"] = EAGLE_RUNS[name][0]
@@ -205,6 +215,7 @@ def run_eagle(args, spec) -> dict:
     return {
         "head": args.eagle_head or "shipped (engine/spec_decode/heads/smollm2-135m-eagle)",
         "k": EAGLE_K, "num_prompts": len(requests), "max_tokens": args.eagle_max_tokens,
+        "passes": args.eagle_passes,
         "runs": runs, "draft_cost": {"draft_s_per_token": draft, "target_step_s": target,
                                      "share": draft / target},
         "batch_sweep": sweep(args, spec, prompts, eagle, sizes, sizes) if sizes else None,
@@ -257,6 +268,7 @@ def build_parser():
     add("--eagle-head", default=None, help="a head directory (default: the shipped head)")
     add("--eagle-prompts", type=int, default=8)
     add("--eagle-max-tokens", type=int, default=64)
+    add("--eagle-passes", type=int, default=3, help="timed passes over the eagle prompts")
     add("--eagle-batch-sizes", default="16,64", help="eagle sweep; '' skips it")
     return parser
 

@@ -405,7 +405,7 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
     save_head(head, state | {"lm_head.weight": torch.zeros_like(state["lm_head.weight"])}, config)
     args = ["--model", tiny_llama, "--methods", "eagle", "--eagle-head", head]
     args += ["--eagle-prompts", "3", "--eagle-max-tokens", "16", "--eagle-batch-sizes", "2,16"]
-    args += ["--sweep-max-tokens", "4", "--output-dir", str(tmp_path)]
+    args += ["--eagle-passes", "2", "--sweep-max-tokens", "4", "--output-dir", str(tmp_path)]
     payload = spec_decode.run(spec_decode.build_parser().parse_args(args))
     assert json.loads((tmp_path / "spec_decode.json").read_text()) == payload
     assert payload["workloads"] == payload["batch_sweep"] == {}  # no ngram part asked for
@@ -420,6 +420,9 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
         assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
         assert runs[name]["temperature"] == (0.0 if name.count("-t") == 0 else 0.8)
     assert runs["eagle-t"]["acceptance_rate"] > 0
+    for r in runs.values():  # the pooled rate is the passes' rates weighted by their seconds
+        by_pass = r["tokens_per_s_by_pass"]
+        assert len(by_pass) == 2 and min(by_pass) <= r["tokens_per_s"] <= max(by_pass)
     assert payload["eagle"]["draft_cost"]["share"] > 0
     rows = payload["eagle"]["batch_sweep"]["rows"]
     for b in ("2", "16"):  # greedy: the same tokens with speculation off, forced and default
