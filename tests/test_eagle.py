@@ -9,6 +9,8 @@ from conftest import build_random_eagle_head
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.model_runner import Span
+from engine.models.eagle import SHORT_FEED
 from engine.models.quant import dequantize_q8_0, quantize_q8_0
 from engine.spec_decode.eagle_format import load_head
 from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
@@ -232,3 +234,38 @@ def test_draft_steps_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, h
     assert len(with_stack) == len(python)
     for (logits, h), (want_logits, want_h) in zip(with_stack, python, strict=True):
         assert torch.equal(h, want_h) and torch.equal(logits, want_logits)
+
+
+@pytest.mark.skipif(not cpu_extension.available(), reason="the C++ CPU kernels cannot be built")
+def test_short_feeds_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, head):
+    """A step of spans of several tokens each, the last a logit row (a round's first: it feeds
+    the accepted tokens), runs the whole layer in the C++ stack up to SHORT_FEED tokens; its
+    logits, h and every token's K/V equal the Python path's (logit rows only) bit for bit."""
+    llm = LLM(tiny_llama, num_kv_blocks=16, speculative_config=eagle(head))
+    proposer = llm.llm_engine.spec.proposer
+    runner, head_module = proposer.runner, proposer.head
+    torch.manual_seed(0)
+    for caches in runner.kv_caches:  # earlier positions' K/V that the spans attend to
+        for cache in caches:
+            cache.normal_()
+    before = [tuple(c.clone() for c in caches) for caches in runner.kv_caches]
+    spans = [Span([5, 6, 7], 16, 1, [0, 1]), Span([8, 9], 3, 1, [2]), Span([4], 7, 1, [3])]
+    assert sum(len(s.token_ids) for s in spans) <= SHORT_FEED
+    features = torch.randn(6, head_module.config.hidden_size)
+    runs, ran = [], []
+    run_stack = head_module.layer_stack.run
+    for stack in (True, False):
+        for caches, saved in zip(runner.kv_caches, before, strict=True):
+            for cache, value in zip(caches, saved, strict=True):
+                cache.copy_(value)
+        head_module.layer_stack.run = lambda *a: ran.append(1) or run_stack(*a)
+        if not stack:
+            head_module.layer_stack = None
+        logits, h = runner.forward(spans, features=features, return_hidden=True)
+        runs.append((logits, h, [tuple(c.clone() for c in caches) for caches in runner.kv_caches]))
+    assert ran == [1]  # the stack ran the first time only
+    (logits, h, kv), (want_logits, want_h, want_kv) = runs
+    assert logits.shape[0] == h.shape[0] == 3
+    assert torch.equal(h, want_h) and torch.equal(logits, want_logits)
+    for caches, want in zip(kv, want_kv, strict=True):
+        assert all(torch.equal(c, w) for c, w in zip(caches, want, strict=True))

@@ -17,6 +17,10 @@ from engine.models.layer_stack import LayerStack
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, head_dim_of
 
+# Steps of up to this many tokens run the whole layer on every token in the C++ stack (see
+# EagleHead.forward); longer ones (a prompt's feed) only the logit rows, in Python.
+SHORT_FEED = 8
+
 
 class EagleHead(nn.Module):
     def __init__(
@@ -59,7 +63,9 @@ class EagleHead(nn.Module):
         mirrors the target's (no drafts this step) thus costs fc and the K/V projection only.
         Where every token is a logit row (each span one token: a draft step), that is the plain
         decoder layer, which the C++ layer stack runs in one call where it applies (the Python
-        around ~10 small kernels was ~2/3 of a draft token's time on the CPU).
+        around ~10 small kernels was ~2/3 of a draft token's time on the CPU). So does a step
+        of at most ``SHORT_FEED`` tokens (a round's first, feeding the accepted tokens): the
+        stack's extra rows cost less than the Python path's kernels.
         """
         layer, attn = self.layer, self.layer.self_attn
         x = torch.cat([self.embed_tokens[0](input_ids), features.to(self.fc.weight.dtype)], -1)
@@ -67,11 +73,11 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)
         # T logit rows, at most one per span, over T spans: every span is one token
         one_token_spans = len(logit_rows) == x.shape[0] == meta.seq_lens.shape[0]
-        if self.layer_stack is not None and one_token_spans:
+        if self.layer_stack is not None and (one_token_spans or x.shape[0] <= SHORT_FEED):
             out = self.layer_stack.run([layer], x, cos, sin, kv_caches, meta)
             if out:
                 h, residual = out
-                return h + residual
+                return h + residual if one_token_spans else (h + residual)[logit_rows]
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         k_cache, v_cache = kv_caches[0]
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
