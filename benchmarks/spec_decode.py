@@ -82,9 +82,7 @@ def take_turns(systems: dict, requests: list[BenchRequest], passes: int = 1) -> 
         seconds, tokens = sum(r[0] for r in runs), sum(len(r[1]) for r in runs)
         result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         if passes > 1:
-            result["tokens_per_s_by_pass"] = [
-                sum(len(r[1]) for r in p) / sum(r[0] for r in p) for p in by_pass
-            ]
+            result["tokens_per_s_by_pass"] = [_rate(p) for p in by_pass]
         stats = [r[2] for r in runs]
         if sum(s.get("draft_tokens", 0) for s in stats):
             total = lambda key, stats=stats: sum(s[key] for s in stats)
@@ -95,6 +93,11 @@ def take_turns(systems: dict, requests: list[BenchRequest], passes: int = 1) -> 
                        "acceptance_by_position": [a / rounds for a in by_position]}  # fmt: skip
         results[name] = result | {"outputs": [r[1] for r in runs]}
     return results
+
+
+def _rate(runs: list[tuple[float, list[int], dict]]) -> float:
+    """Tokens per second over ``take_turns`` runs (seconds, tokens, stats)."""
+    return sum(len(r[1]) for r in runs) / sum(r[0] for r in runs)
 
 
 def same_tokens(results: dict[str, dict], reference: str, names) -> None:

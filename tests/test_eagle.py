@@ -254,11 +254,11 @@ def test_short_feeds_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, h
     features = torch.randn(6, head_module.config.hidden_size)
     runs, ran = [], []
     run_stack = head_module.layer_stack.run
+    head_module.layer_stack.run = lambda *a: ran.append(1) or run_stack(*a)
     for stack in (True, False):
         for caches, saved in zip(runner.kv_caches, before, strict=True):
             for cache, value in zip(caches, saved, strict=True):
                 cache.copy_(value)
-        head_module.layer_stack.run = lambda *a: ran.append(1) or run_stack(*a)
         if not stack:
             head_module.layer_stack = None
         logits, h = runner.forward(spans, features=features, return_hidden=True)
