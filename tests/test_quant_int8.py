@@ -125,6 +125,21 @@ def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
     assert ((got.double() - exact).abs() <= slack).all()
 
 
+def test_linear_q8_rounds_activations_to_nearest_even_and_pads_the_last_block(gen):
+    """With identity weights (q = 1 on the diagonal, d = 1) and every block's max|x| = 32767
+    (so s = 1 and x / s = x), the kernel returns its int16 activations themselves: each
+    x = n + 0.5 must round to the even neighbour (np.rint), in full blocks and in a last block
+    of 8 that is padded with zeros."""
+    ext = cpu_extension.load()
+    k = 72  # blocks of 32, 32 and 8
+    x = torch.randint(-2000, 2000, (5, k), generator=gen).float() + 0.5
+    x[0, :8] = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5])
+    x[:, [0, 32, 64]] = 32767.0
+    pq, pd = ext.pack_q8_weight(torch.eye(k, dtype=torch.int8), torch.ones(k, 3).half())
+    got = ext.linear_q8(x, pq, pd, None, k)
+    assert torch.equal(got, torch.from_numpy(np.rint(x.numpy())))
+
+
 @pytest.mark.parametrize("n", [200, 216])  # a last group of 1 panel, and of 2 (AVX512)
 def test_linear_q8_row_bits_do_not_depend_on_the_batch(n, gen):
     """Rows run alone, in a call of up to 9 rows (one tile of them all up to 8, fewer panels

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -68,6 +69,21 @@ C10_ALWAYS_INLINE Vec to_float(IVec i) { return _mm512_cvtepi32_ps(i); }
 C10_ALWAYS_INLINE Vec load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// max|x| of a block of kBlock floats.
+C10_ALWAYS_INLINE float block_amax(const float* x) {
+  const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x)), b = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+}
+// q = round(x * inv) for a block (to nearest even: MXCSR's default mode, as std::nearbyint's);
+// returns sum(q). |x * inv| <= 32767 (inv = kXMax / max|x|), so the int16 narrowing is exact.
+C10_ALWAYS_INLINE int32_t quantize_block(const float* x, float inv, int16_t* q) {
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
+  const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(hi));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+}
 #elif defined(CPU_CAPABILITY_AVX2)
 using IVec = __m256i;
 C10_ALWAYS_INLINE IVec izero() { return _mm256_setzero_si256(); }
@@ -86,6 +102,31 @@ C10_ALWAYS_INLINE IVec dot_pairs(IVec acc, IVec x, IVec w) {
 C10_ALWAYS_INLINE Vec to_float(IVec i) { return _mm256_cvtepi32_ps(i); }
 C10_ALWAYS_INLINE Vec load_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+C10_ALWAYS_INLINE float block_amax(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  for (int i = 8; i < kBlock; i += 8) {
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+C10_ALWAYS_INLINE int32_t quantize_block(const float* x, float inv, int16_t* q) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < kBlock; i += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), scale));
+    // packs works per 128-bit lane (a0-3 b0-3 a4-7 b4-7): the permute restores the order
+    const __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), ab);
+    sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
 }
 #else
 struct IVec {
@@ -124,6 +165,19 @@ inline Vec load_scales(const c10::Half* p) {
   for (int64_t c = 0; c < V; ++c) f[c] = static_cast<float>(p[c]);
   return Vec::loadu(f);
 }
+inline float block_amax(const float* x) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < kBlock; ++c) amax = std::max(amax, std::fabs(x[c]));
+  return amax;
+}
+inline int32_t quantize_block(const float* x, float inv, int16_t* q) {
+  int32_t total = 0;
+  for (int64_t c = 0; c < kBlock; ++c) {
+    q[c] = static_cast<int16_t>(std::nearbyint(x[c] * inv));
+    total += q[c];
+  }
+  return total;
+}
 #endif
 
 // Rows of x quantised per block: xq [rows][Kp] int16 (k pairs read as one int32), s [rows][nb]
@@ -141,27 +195,24 @@ struct QuantRows {
 };
 
 // x [rows, K] float32 -> int16 per block: s = max|x| / 32767 and xq = round(x / s) (to nearest
-// even), padding blocks with 0.
+// even), padding blocks with 0 (a last partial block is quantised from a zero-padded copy).
 inline void quantize_rows(const float* x, int64_t rows, int64_t K, int16_t* xq, float* s,
                           float* sum, int64_t nb) {
   const int64_t Kp = nb * kBlock;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    float padded[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + r * K + b * kBlock;
         const int64_t n = std::min(kBlock, K - b * kBlock);
-        float amax = 0.f;
-        for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xb[c]));
-        const float inv = amax > 0.f ? kXMax / amax : 0.f;
-        int16_t* qb = xq + r * Kp + b * kBlock;
-        int32_t total = 0;
-        for (int64_t c = 0; c < n; ++c) {
-          qb[c] = static_cast<int16_t>(std::nearbyint(xb[c] * inv));
-          total += qb[c];
+        if (n < kBlock) {
+          std::fill(std::copy(xb, xb + n, padded), padded + kBlock, 0.f);
+          xb = padded;
         }
-        for (int64_t c = n; c < kBlock; ++c) qb[c] = 0;
+        const float amax = block_amax(xb);
+        const float inv = amax > 0.f ? kXMax / amax : 0.f;
+        sum[r * nb + b] = static_cast<float>(quantize_block(xb, inv, xq + r * Kp + b * kBlock));
         s[r * nb + b] = amax / kXMax;
-        sum[r * nb + b] = static_cast<float>(total);
       }
     }
   });
@@ -254,12 +305,14 @@ void over_groups(const at::Tensor& x, const Panels& all, int64_t nb, int64_t pan
   const int64_t M = x.size(0), K = x.size(1), Kp = nb * kBlock;
   const int64_t groups = (panels + per_group - 1) / per_group;
   const int64_t chunk = std::min(kChunkRows, M);
-  std::vector<int16_t> xq(chunk * Kp);
-  std::vector<float> s(chunk * nb), sum(chunk * nb);
+  // uninitialised (a vector would zero them every call): quantize_rows writes every entry the
+  // tiles read
+  const std::unique_ptr<int16_t[]> xq(new int16_t[chunk * Kp]);
+  const std::unique_ptr<float[]> s(new float[chunk * nb]), sum(new float[chunk * nb]);
   for (int64_t m = 0; m < M; m += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m);
-    quantize_rows(x.data_ptr<float>() + m * K, rows, K, xq.data(), s.data(), sum.data(), nb);
-    const QuantRows quant{xq.data(), s.data(), sum.data(), Kp, nb};
+    quantize_rows(x.data_ptr<float>() + m * K, rows, K, xq.get(), s.get(), sum.get(), nb);
+    const QuantRows quant{xq.get(), s.get(), sum.get(), Kp, nb};
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t first = g * per_group;
