@@ -565,9 +565,10 @@ def _targets_table(payloads: list[dict]) -> list[str]:
     note = (
         "Last column: the run ceiling (the throughput sections' last column) over the peer's "
         "tokens/s, the ratio an engine with no cost but its matmuls would reach at the measured "
-        "read bandwidth and GEMM rate. Those are measurements, not the hardware's limits (a "
-        "kernel can pass them: an integer one, or a GEMV that reads faster than torch's sum), so "
-        "this estimates what is within reach; it proves nothing."
+        "read bandwidth and GEMM rate (torch's matmul; for int8 and q4_1 weights the faster of "
+        "it and their own kernel's, no library running their numerics). Those are measurements, "
+        "not the hardware's limits (a GEMV can read faster than torch's sum), so this estimates "
+        "what is within reach; it proves nothing."
     )
     return ["## Targets", "", *_table(columns, rows), "", note, ""]
 

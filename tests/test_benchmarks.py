@@ -31,6 +31,8 @@ from benchmarks import (
 from benchmarks.timing import percentile, run_engine, summarize, time_calls
 from benchmarks.workload import BenchRequest, ModelSpec, make_workload, parse_int_list, parse_range
 from engine import EngineStats
+from engine.models.layers import Linear
+from engine.models.quant import quantized_weight
 from engine.spec_decode.eagle_format import load_head, save_head
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -135,6 +137,29 @@ def test_decode_ceiling_is_the_slower_of_memory_and_compute():
     assert throughput.decode_ceiling(40, cost, rates) == pytest.approx(40 / 0.08)
     with pytest.raises(ValueError, match="batch_size"):
         throughput.decode_ceiling(0, cost, rates)
+
+
+@pytest.mark.parametrize(("quantization", "fmt"), [("int8", "q8_0"), ("q4_1", "q4_1")])
+def test_device_rates_price_quantized_matmuls_at_their_kernel(quantization, fmt, monkeypatch):
+    """With a quantization the rate of its weight kernel is measured too (here made the faster
+    one by a fake clock), and the faster rate bounds the run: priced at the float32 GEMM rate,
+    int8's ceiling came out below the throughput the engine measured."""
+    formats = []
+
+    def fake_time_calls(fn, repeats, device):
+        module = getattr(fn, "func", None)
+        if isinstance(module, Linear):  # the kernel under measure: quantised, and it runs
+            formats.append(quantized_weight(module.weight).format)
+            with torch.inference_mode():
+                assert fn().shape == (2048, 2048)
+            return [0.001]
+        return [1.0]
+
+    monkeypatch.setattr(throughput, "time_calls", fake_time_calls)
+    rates = throughput.device_rates(torch.device("cpu"), torch.float32, quantization)
+    assert formats == [fmt] and rates["dtype"] == f"{quantization} kernel"
+    assert rates["matmul_gflops"] == pytest.approx(2 * 2048**3 / 0.001 / 1e9)
+    assert throughput.device_rates(torch.device("cpu"), torch.float32)["dtype"] == "float32"
 
 
 def test_run_ceiling_adds_prefill_flops_to_the_decode_ceiling():
