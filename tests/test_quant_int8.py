@@ -56,7 +56,7 @@ def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = -(-x.shape[1] // 32)
     xb = F.pad(x, (0, blocks * 32 - x.shape[1])).view(len(x), blocks, 32).numpy()
     amax = np.abs(xb).max(-1)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # inf where max|x| is 0 or tiny
         inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0))
     xq = np.rint(xb * inv[..., None])
     return torch.from_numpy(xq), torch.from_numpy(amax / np.float32(32767))
@@ -125,19 +125,25 @@ def test_linear_q8_matches_float64_reference(rows, n, k, bias, gen):
     assert ((got.double() - exact).abs() <= slack).all()
 
 
-def test_linear_q8_rounds_activations_to_nearest_even_and_pads_the_last_block(gen):
-    """With identity weights (q = 1 on the diagonal, d = 1) and every block's max|x| = 32767
-    (so s = 1 and x / s = x), the kernel returns its int16 activations themselves: each
-    x = n + 0.5 must round to the even neighbour (np.rint), in full blocks and in a last block
-    of 8 that is padded with zeros."""
+def test_linear_q8_quantises_each_block_of_its_own_row_rounding_ties_to_even(gen):
+    """With identity weights (q = 1 on the diagonal, d = 1) the kernel returns x's int16
+    activations times their block's s, exactly. Block maxima of 32767 and 65534 make
+    x / s = x and x / 2: ties at n + 0.5 must round to the even neighbour (np.rint), and each
+    block (the last one 8 long) must take its max from its own row: the next row starts with a
+    larger value. Blocks below 32767 / FLT_MAX (x / s overflows) give 0."""
     ext = cpu_extension.load()
     k = 72  # blocks of 32, 32 and 8
-    x = torch.randint(-2000, 2000, (5, k), generator=gen).float() + 0.5
+    x = torch.randint(-2000, 2000, (6, k), generator=gen).float() + 0.5
     x[0, :8] = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5])
-    x[:, [0, 32, 64]] = 32767.0
+    x[:, [32, 64]] = 32767.0
+    x[:, 0] = torch.tensor([32767.0, 65534.0]).repeat(3)
+    x[5, 32:64] = torch.linspace(-1, 1, 32) * 1e-36  # a block of tiny values
     pq, pd = ext.pack_q8_weight(torch.eye(k, dtype=torch.int8), torch.ones(k, 3).half())
     got = ext.linear_q8(x, pq, pd, None, k)
-    assert torch.equal(got, torch.from_numpy(np.rint(x.numpy())))
+    xq, s = int16_blocks(x)
+    xq[5, 1] = 0.0  # np.rint(x * inf) is +-inf: the kernel's 0
+    expected = (xq * s[..., None]).view(len(x), -1)[:, :k].float()
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("n", [200, 216])  # a last group of 1 panel, and of 2 (AVX512)
