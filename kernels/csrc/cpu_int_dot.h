@@ -210,9 +210,9 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t K, int16_t* xq, 
           xb = padded;
         }
         const float amax = block_amax(xb), quotient = kXMax / amax;
-        // q = 0 for an all-zero block, and for one so small (max|x| < 32767 / FLT_MAX) that
-        // the quotient overflows: x * inf would not convert to an integer
-        const float inv = amax > 0.f && std::isfinite(quotient) ? quotient : 0.f;
+        // q = 0 where the quotient is not finite: an all-zero block, or one so small
+        // (max|x| < 32767 / FLT_MAX) that it overflows (x * inf would not convert to an integer)
+        const float inv = std::isfinite(quotient) ? quotient : 0.f;
         sum[r * nb + b] = static_cast<float>(quantize_block(xb, inv, xq + r * Kp + b * kBlock));
         s[r * nb + b] = amax / kXMax;
       }
