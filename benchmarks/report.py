@@ -154,8 +154,10 @@ def _precision_notes(p: dict) -> list[str]:
     notes, q = [], p.get("precision")
     if q:
         quant = f", quantization={q['quantization']}" if q["quantization"] else ""
+        kv = q.get("kv_cache_dtype", "auto")  # runs before the option: the model's dtype
+        quant += f", kv_cache_dtype={kv}" if kv != "auto" else ""
         peer = "llamacpp" in p.get("config", {}).get("peers", [])
-        llama = f"; llama.cpp {q['gguf_type']} ({q['note']})" if peer else ""
+        llama = f"; llama.cpp {q['gguf_type']}, KV F16 ({q['note']})" if peer else ""
         notes.append(f"- precision {q['name']}: pagedspec dtype={q['dtype']}{quant}{llama}")
     for name, info in p.get("peers", {}).items():
         notes.append(f"- {name}: llama-cpp-python {info['version']} built from source, "
@@ -170,7 +172,8 @@ def render_accuracy(p: dict) -> list[str]:
     text, prompts = p["text"], p["prompts"]
     notes = [
         *_machine(p),
-        f"- greedy agreement with pagedspec fp32: {prompts['num']} fixture prompts (HF test "
+        f"- greedy agreement with pagedspec fp32 (float32 weights, compute and KV cache): "
+        f"{prompts['num']} fixture prompts (HF test "
         f"prompts + examples/prompts.jsonl), {prompts['max_tokens']} tokens each, EOS ignored; "
         "'identical': share of outputs equal to fp32's; 'prefix': mean common-prefix tokens",
         f"- perplexity: `benchmarks/data/{text['file']}` ({text['tokens']} tokens), "
@@ -186,7 +189,7 @@ def render_accuracy(p: dict) -> list[str]:
         rows.append({"r": r} | {f"{k}_error": f"unavailable: {r[k]['error']}"
                                 for k in ("pagedspec", "llamacpp") if "error" in r[k]})  # fmt: skip
     columns = (
-        "precision={r[precision]} | pagedspec weights={r[pagedspec_weights]} | "
+        "precision={r[precision]} | pagedspec options={r[pagedspec_options]} | "
         "identical={pagedspec_error}{r[pagedspec][identical]:.0%} | "
         "prefix={r[pagedspec][mean_common_prefix]:.1f} | "
         "perplexity={r[pagedspec][perplexity]:.3f} | "

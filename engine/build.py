@@ -16,7 +16,7 @@ from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
 from engine.model_loader import load_model_config, model_kv_shape
 from engine.model_runner import ModelRunner
-from engine.model_set import load_model_set, make_runner, rank_device
+from engine.model_set import kv_cache_dtype, load_model_set, make_runner, rank_device
 from engine.output_processor import OutputProcessor
 from engine.processor import Processor
 from engine.sampler import Sampler
@@ -96,7 +96,9 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
     kv_shapes = [model_kv_shape(m.config, shard) for m in [target] + ([draft] if draft else [])]
     if head is not None:
         kv_shapes.append(model_kv_shape(head.config))
-    num_blocks = _num_blocks(config, kv_shapes, max_model_len, dtype, device)
+    num_blocks = _num_blocks(
+        config, kv_shapes, max_model_len, kv_cache_dtype(config, dtype), device
+    )
     if tp is not None:
         tp.ready(num_blocks)
 
@@ -105,7 +107,9 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         # Compile every Triton variant now, not mid-serving (a no-op off CUDA).
         max_context = max_model_len + _WARMUP_CONTEXT_SLACK
         heads = int(model_config.num_attention_heads) // shard.size
-        kernels.warmup(heads, *local.kv_caches[0], max_context, config.attention_backend)
+        kernels.warmup(
+            heads, *local.kv_caches[0], max_context, config.attention_backend, query_dtype=dtype
+        )
         if index == 0 and tp is None and uses_cuda_graphs(config, device):
             local.graphs = DecodeGraphs(
                 local,

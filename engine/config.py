@@ -10,6 +10,10 @@ SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
 # "int8": Q8_0; "q4_1": Q4_1 (the LM head Q8_0, as llama.cpp's Q4_1 files ship it).
 QUANTIZATIONS = (None, "int8", "q4_1")
+# "auto": the KV cache in the model's dtype. A 16-bit cache under a float32 model halves the
+# bytes attention reads (llama.cpp keeps F16 KV by default); keys and values are rounded to
+# nearest when written, and attention still computes in float32.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,8 @@ class EngineConfig:
     # at load to GGUF Q8_0, "q4_1" to Q4_1 but the LM head to Q8_0 (a Q8_0 / Q4_1 GGUF file's
     # tensors keep their shipped values bit for bit: the default model runs its file's numbers).
     quantization: str | None = None
+    # KV_CACHE_DTYPES: "auto", the model's dtype, or a 16-bit cache under a float32 model.
+    kv_cache_dtype: str = "auto"
     # CUDA: decode steps replay graphs captured at start-up (engine.cuda_graphs) unless True.
     enforce_eager: bool = False
 
@@ -167,6 +173,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.of(self.speculative_config)

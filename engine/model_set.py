@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.distributed.shard import NO_TP, TPShard
 from engine.model_loader import LoadedModel, load_model, model_kv_shape, resolve_device
 from engine.model_runner import ModelRunner
+from kernels.checks import cache_holds
 from memory import allocate_kv_caches
 
 
@@ -49,6 +50,19 @@ def load_model_set(config: EngineConfig, device: torch.device, shard: TPShard = 
     return ModelSet(target, draft)
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model computing in ``model_dtype`` (config.kv_cache_dtype)."""
+    if config.kv_cache_dtype == "auto":
+        return model_dtype
+    dtype = getattr(torch, config.kv_cache_dtype)
+    if not cache_holds(model_dtype, dtype):
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype!r} needs a float32 model or one of its own "
+            f"dtype; this model computes in {model_dtype} (use 'auto')"
+        )
+    return dtype
+
+
 def make_runner(
     model: nn.Module,
     model_config: PretrainedConfig,
@@ -62,7 +76,7 @@ def make_runner(
         *model_kv_shape(model_config, shard),
         num_blocks,
         config.block_size,
-        param.dtype,
+        kv_cache_dtype(config, param.dtype),
         param.device,
     )
     return ModelRunner(model, caches, config.attention_backend, param.device)

@@ -151,10 +151,12 @@ def warmup(
     v_cache: torch.Tensor,
     max_context: int,
     backend: Backend = "auto",
+    query_dtype: torch.dtype | None = None,
 ) -> int:
     """Compiles every Triton kernel variant the backend can launch on these caches (one layer's;
-    all layers share the variants), so no step waits for a compile; returns how many attention
-    variants were compiled. Nothing to do off CUDA or for the torch and cpu backends."""
+    all layers share the variants) for queries, keys and values of ``query_dtype`` (None: the
+    caches' dtype), so no step waits for a compile; returns how many attention variants were
+    compiled. Nothing to do off CUDA or for the torch and cpu backends."""
     if k_cache.device.type != "cuda":
         return 0
     chosen = _resolve(backend, k_cache)
@@ -162,5 +164,7 @@ def warmup(
         return 0
     from kernels.triton_warmup import warmup as triton_warmup
 
-    variants = triton_warmup(num_heads, k_cache, v_cache, max_context, chosen == "triton")
+    variants = triton_warmup(
+        num_heads, k_cache, v_cache, max_context, chosen == "triton", query_dtype or k_cache.dtype
+    )
     return len(variants)

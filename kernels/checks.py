@@ -11,6 +11,15 @@ import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# A cache narrower than the model's activations: float32 keys, values and queries over a 16-bit
+# cache (kv_cache_dtype). Any other pairing must match exactly.
+_NARROW_CACHE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cache_holds(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a cache of ``cache_dtype`` may store (and be read against) ``dtype`` tensors:
+    the same dtype, or float32 over a 16-bit cache (values rounded to nearest on write)."""
+    return dtype == cache_dtype or (dtype == torch.float32 and cache_dtype in _NARROW_CACHE_DTYPES)
 
 
 def _need(ok: bool, message: Callable[[], str]) -> None:
@@ -76,10 +85,10 @@ def check_write_kv_cache_args(
         lambda: f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}",
     )
     _need(
-        key.dtype == k_cache.dtype and value.dtype == k_cache.dtype,
+        value.dtype == key.dtype and cache_holds(key.dtype, k_cache.dtype),
         lambda: (
-            f"key/value dtype must equal the cache dtype {k_cache.dtype}, "
-            f"got {key.dtype} and {value.dtype}"
+            f"key/value dtype must equal the cache dtype {k_cache.dtype} (or be float32 over a "
+            f"float16/bfloat16 cache), got {key.dtype} and {value.dtype}"
         ),
     )
     for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -122,8 +131,11 @@ def check_paged_attention_args(
         ),
     )
     _need(
-        query.dtype == k_cache.dtype,
-        lambda: f"query dtype {query.dtype} must equal the cache dtype {k_cache.dtype}",
+        cache_holds(query.dtype, k_cache.dtype),
+        lambda: (
+            f"query dtype {query.dtype} must equal the cache dtype {k_cache.dtype} "
+            f"(or be float32 over a float16/bfloat16 cache)"
+        ),
     )
     _need(query.stride(-1) == 1, lambda: "query head_dim must be contiguous (stride 1)")
     device = query.device

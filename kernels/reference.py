@@ -74,6 +74,7 @@ def write_kv_cache(
         key, value = key[plan.keep], value[plan.keep]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new.to(cache.dtype)  # a 16-bit cache under float32 keys: rounded to nearest
         if cache.stride(0) == block_size * cache.stride(1):  # [N, B] collapse into one slot dim
             flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
             flat.index_copy_(0, plan.slots, new)
@@ -276,6 +277,7 @@ def _attend_chunk(
     v = v_cache.index_select(0, chunk.flat_blocks).view(c * seq_len_max, num_kv_heads * head_dim)
     k.index_fill_(0, chunk.stale, 0)
     v.index_fill_(0, chunk.stale, 0)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # a 16-bit cache under float32 queries
     k = k.view(c, seq_len_max, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(c, seq_len_max, num_kv_heads, head_dim).transpose(1, 2)
 

@@ -38,12 +38,14 @@ class PagedProblem:
             self.seq_lens,
         )
 
-    def to(self, dtype: torch.dtype) -> "PagedProblem":
-        """The same problem with query and caches cast to dtype."""
+    def to(self, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> "PagedProblem":
+        """The same problem with the query cast to dtype and the caches to cache_dtype (None:
+        dtype)."""
+        cache_dtype = cache_dtype or dtype
         return PagedProblem(
             self.query.to(dtype),
-            self.k_cache.to(dtype),
-            self.v_cache.to(dtype),
+            self.k_cache.to(cache_dtype),
+            self.v_cache.to(cache_dtype),
             self.block_tables,
             self.cu_query_lens,
             self.seq_lens,

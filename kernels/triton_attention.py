@@ -150,7 +150,7 @@ def _attention_kernel(
             mask=pos_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX_COMBINE))
         # A row with no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -163,6 +163,7 @@ def _attention_kernel(
             mask=pos_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        v = v.to(q.dtype)  # a 16-bit cache under float32 queries
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -364,7 +365,7 @@ def paged_attention(
     check_device(_attention_kernel, query.device)
     if query.dtype not in _DTYPES:
         raise ValueError(f"backend 'triton' supports dtypes {_DTYPES}, got {query.dtype}")
-    if query.dtype == torch.bfloat16 and interpreted(_attention_kernel):
+    if torch.bfloat16 in (query.dtype, k_cache.dtype) and interpreted(_attention_kernel):
         # It multiplies the raw bf16 bit patterns in tl.dot (triton-lang/triton#11584).
         raise ValueError(
             "dtype bfloat16 is not supported by Triton's interpreter; use float16 or float32 "

@@ -6,7 +6,7 @@ On CPU tensors it runs in Triton's interpreter; see kernels.triton_setup.
 import torch
 
 from kernels.checks import check_write_kv_cache_args
-from kernels.triton_setup import check_device, tl, triton
+from kernels.triton_setup import check_device, interpreted, tl, triton
 
 
 @triton.jit
@@ -45,8 +45,9 @@ def _write_kv_kernel(
         v = tl.load(value_ptr + src * stride_vt + h * stride_vh + d, mask=mask)
         k_dst = block * stride_kc_n + offset * stride_kc_b + h * stride_kc_h + d
         v_dst = block * stride_vc_n + offset * stride_vc_b + h * stride_vc_h + d
-        tl.store(k_cache_ptr + k_dst, k, mask=mask)
-        tl.store(v_cache_ptr + v_dst, v, mask=mask)
+        # a 16-bit cache under float32 keys: rounded to nearest
+        tl.store(k_cache_ptr + k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -63,6 +64,12 @@ def write_kv_cache(
     """
     check_write_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
     check_device(_write_kv_kernel, key.device)
+    narrowing = key.dtype != k_cache.dtype
+    if narrowing and k_cache.dtype == torch.bfloat16 and interpreted(_write_kv_kernel):
+        raise ValueError(
+            "a bfloat16 cache under float32 keys is not supported by Triton's interpreter (it "
+            "truncates instead of rounding to nearest); use float16 on the CPU, or CUDA tensors"
+        )
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key/value head_dim must be contiguous (stride 1)")
     num_tokens = key.shape[0]

@@ -55,10 +55,12 @@ def warmup(
     v_cache: torch.Tensor,
     max_context: int,
     attention: bool = True,
+    query_dtype: torch.dtype | None = None,
 ) -> list[Variant]:
     """Launches each variant once on a one-token problem over `k_cache` / `v_cache` (the
-    engine's caches: same dtype, strides and alignment); returns the attention variants launched
-    (none with ``attention=False``: the KV write alone, for the xformers backend).
+    engine's caches: same dtype, strides and alignment) with queries, keys and values of
+    `query_dtype` (None: the caches'); returns the attention variants launched (none with
+    ``attention=False``: the KV write alone, for the xformers backend).
 
     The query, key and value are views laid out as engine.models.llama makes them (q and k
     split from one rotary output, v split from the qkv projection), so the pointers and strides
@@ -69,7 +71,7 @@ def warmup(
     if k_cache.device.type != "cuda" or interpreted(triton_attention._attention_kernel):
         return []  # TRITON_INTERPRET=1 on a GPU machine: nothing is compiled
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, query_dtype or k_cache.dtype
     qk = torch.zeros(1, num_heads + num_kv_heads, head_dim, dtype=dtype, device=device)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     qkv = torch.zeros(1, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)

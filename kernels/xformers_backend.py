@@ -28,6 +28,11 @@ def paged_attention(
     check_paged_attention_args(
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
     )
+    if query.dtype != k_cache.dtype:
+        raise ValueError(
+            f"backend 'xformers' needs the cache dtype to equal the query's, got "
+            f"{k_cache.dtype} under {query.dtype}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("backend 'xformers' needs contiguous k_cache and v_cache")
     num_tokens, num_heads, head_dim = query.shape

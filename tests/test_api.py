@@ -19,7 +19,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
 import engine.generate
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -169,6 +169,28 @@ def test_chat_prompt_has_exactly_one_bos(bos_llama):
 
 
 # --- SamplingParams -----------------------------------------------------------------------------
+
+
+def test_kv_cache_dtype_names_its_allowed_values():
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_dtype must be one of \('auto', 'float32', 'bfloat16', 'float16'\), "
+        r"got 'fp8'",
+    ):
+        EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_a_16_bit_kv_cache_needs_a_float32_model(tiny_llama):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16' needs a float32 model"):
+        LLM(tiny_llama, dtype="bfloat16", kv_cache_dtype="float16", num_kv_blocks=8)
+
+
+def test_a_16_bit_kv_cache_fits_twice_the_blocks_in_the_same_memory(tiny_llama):
+    def blocks(kv_cache_dtype: str) -> int:
+        llm = LLM(tiny_llama, kv_cache_memory=1 << 20, kv_cache_dtype=kv_cache_dtype)
+        return llm.llm_engine.block_manager.num_blocks
+
+    assert blocks("bfloat16") == blocks("float16") == 2 * blocks("auto")
 
 
 def test_top_k_minus_one_means_off():

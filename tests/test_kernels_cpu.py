@@ -67,6 +67,62 @@ def test_cpu_kernel_low_precision_cache_with_three_kv_heads(dtype, gen):
     assert relative_error(out, exact) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", ["mixed_batch", "group_40_head_dim_24", "decode_group_5_head_dim_40"]
+)
+def test_cpu_kernel_float32_queries_over_a_16_bit_cache(case, cache_dtype, gen):
+    """kv_cache_dtype: a float32 query over a 16-bit cache computes in float32 on the cache's
+    values, so it matches the float64 reference on those same (rounded) values at float32's
+    tolerance. Head dims 24 and 40 leave rows that the SIMD widening does not cover."""
+    q_lens, seq_lens, group, block_size, head_dim = CASES[case]
+    p = make_paged_problem(
+        q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, generator=gen, table_padding=3,
+    ).to(torch.float32, cache_dtype)  # fmt: skip
+    exact = reference.paged_attention(*p.to(torch.float64).args(), head_dim**-0.5)
+    out = torch.full_like(p.query, float("nan"))
+    cpu_attention.paged_attention(*p.args(), head_dim**-0.5, out=out)
+    assert out.dtype == torch.float32
+    assert relative_error(out, exact) <= 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_cpu_cache_write_rounds_float32_into_a_16_bit_cache(cache_dtype, strided, gen):
+    """A float32 key written into a 16-bit cache holds key.to(cache dtype) (nearest even), as
+    the torch backend writes it; a key whose head_dim is strided takes the element path."""
+    cache = torch.randn(8, 16, 3, 24, generator=gen).to(cache_dtype)
+    slots = torch.tensor([5, -1, 77, 0, 127])
+    wide = torch.randn(5, 3, 48, generator=gen) * 100
+    key, value = (wide[..., ::2], wide[..., 1::2]) if strided else (wide[..., :24], wide[..., 24:])
+    got, expect = [cache.clone(), cache.clone()], [cache.clone(), cache.clone()]
+    kernels.write_kv_cache(key, value, *got, slots, backend="cpu")
+    reference.write_kv_cache(key, value, *expect, slots)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+    flat = got[0].view(-1, 3, 24)
+    assert torch.equal(flat[77], key[2].to(cache_dtype)) and not torch.equal(got[0], cache)
+
+
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_cpu_kernels_reject_a_cache_neither_the_query_dtype_nor_16_bit_under_float32(
+    query_dtype, cache_dtype
+):
+    p = _problem().to(query_dtype, cache_dtype)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_attention.paged_attention(*p.args(), 1.0)
+    key = torch.zeros(1, 2, 8, dtype=query_dtype)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.write_kv_cache(key, key, p.k_cache, p.v_cache, torch.tensor([0]), backend="cpu")
+
+
 def test_cpu_kernel_random_batch(gen):
     num_seqs = int(torch.randint(1, 40, (), generator=gen))
     seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()

@@ -85,6 +85,20 @@ def test_reference_low_precision_close_to_float64(dtype, tol, gen):
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_reference_float32_queries_over_a_16_bit_cache(cache_dtype, gen):
+    """kv_cache_dtype: float32 queries over a 16-bit cache compute in float32 on the cache's
+    values: float64 on those same values agrees to float32's precision."""
+    p = make_paged_problem(
+        [1, 6, 20, 1], [50, 6, 70, 33], num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+        generator=gen,
+    ).to(torch.float32, cache_dtype)  # fmt: skip
+    out = reference.paged_attention(*p.args(), 0.2)
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 0.2)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_block_size_32_and_int64_indices(gen):
     p = make_paged_problem(
         [1, 5, 40], [64, 33, 40], num_heads=4, num_kv_heads=4, head_dim=8, block_size=32,
@@ -98,10 +112,18 @@ def test_reference_block_size_32_and_int64_indices(gen):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize(
-    ("slot_dtype", "dtype"), [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)]
+    ("slot_dtype", "dtype", "cache_dtype"),
+    [
+        (torch.int64, torch.float32, torch.float32),
+        (torch.int32, torch.bfloat16, torch.bfloat16),
+        (torch.int64, torch.float32, torch.float16),  # kv_cache_dtype: rounded on write
+        (torch.int32, torch.float32, torch.bfloat16),
+    ],
 )
 @pytest.mark.parametrize("strided_cache", [False, True])
-def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, strided_cache, gen):
+def test_write_kv_cache_writes_each_slot_once(
+    backend, slot_dtype, dtype, cache_dtype, strided_cache, gen
+):
     num_blocks, block_size, heads, dim = 6, 16, 3, 8
     num_tokens = 40
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -109,8 +131,8 @@ def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, stride
     # key/value as strided views of a fused projection, the way a model produces them.
     qkv = torch.randn(num_tokens, 3 * heads + 1, dim, generator=gen).to(dtype)
     key, value = qkv[:, :heads], qkv[:, heads + 1 : 2 * heads + 1]
-    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype)
     if strided_cache:  # blocks and offsets that do not collapse into one slot dimension
         k_cache = torch.cat([k_cache, k_cache], dim=1)[:, :block_size]
         v_cache = torch.cat([v_cache, v_cache], dim=1)[:, :block_size]
@@ -119,16 +141,19 @@ def test_write_kv_cache_writes_each_slot_once(backend, slot_dtype, dtype, stride
     # Triton's kernels are compiled for the GPU where there is one, interpreted otherwise.
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     caches = (k_cache.to(device), v_cache.to(device))
-    kernels.write_kv_cache(
-        key.to(device), value.to(device), *caches, slots.to(device, slot_dtype), backend=backend
-    )
+    args = (key.to(device), value.to(device), *caches, slots.to(device, slot_dtype))
+    if backend == "triton" and device == "cpu" and dtype != cache_dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match="interpreter"):  # it would truncate
+            kernels.write_kv_cache(*args, backend=backend)
+        return
+    kernels.write_kv_cache(*args, backend=backend)
     k_cache, v_cache = (c.cpu().contiguous() for c in caches)
 
     keep = slots >= 0
     expect_k = k_before.view(-1, heads, dim).clone()
     expect_v = v_before.view(-1, heads, dim).clone()
-    expect_k[slots[keep]] = key[keep]
-    expect_v[slots[keep]] = value[keep]
+    expect_k[slots[keep]] = key[keep].to(cache_dtype)
+    expect_v[slots[keep]] = value[keep].to(cache_dtype)
     assert torch.equal(k_cache.view(-1, heads, dim), expect_k)
     assert torch.equal(v_cache.view(-1, heads, dim), expect_v)
 

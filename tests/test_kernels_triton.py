@@ -83,6 +83,27 @@ def test_triton_half_precision_close_to_float64(dtype, tol, gen):
     check_against_reference(p.to(dtype), 0.125, tol=tol, dtype=dtype)
 
 
+@pytest.mark.parametrize(
+    "cache_dtype",
+    [
+        torch.float16,
+        pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason=NO_BF16)),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_float32_queries_over_a_16_bit_cache(cache_dtype, num_splits, gen):
+    """kv_cache_dtype: the cache's values are widened to the query's float32, so float64 on those
+    same values agrees at float32's tolerance."""
+    p = make_paged_problem(
+        [1, 6, 20], [50, 6, 70], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        generator=gen, device=DEVICE,
+    ).to(torch.float32, cache_dtype)  # fmt: skip
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 0.125)
+    out = triton_attention.paged_attention(*p.args(), 0.125, num_splits=num_splits)
+    assert out.dtype == torch.float32
+    assert relative_error(out, exact) <= 1e-5
+
+
 @pytest.mark.parametrize("num_splits", [2, 7])
 def test_triton_split_kv_matches_reference(num_splits, gen):
     p = make_paged_problem(
@@ -115,6 +136,8 @@ def test_triton_rejects_unsupported_dtypes():
     if not CUDA:  # NO_BF16
         with pytest.raises(ValueError, match="bfloat16"):
             triton_attention.paged_attention(*p.to(torch.bfloat16).args(), 1.0)
+        with pytest.raises(ValueError, match="bfloat16"):
+            triton_attention.paged_attention(*p.to(torch.float32, torch.bfloat16).args(), 1.0)
     with pytest.raises(ValueError, match="num_splits"):
         triton_attention.paged_attention(*p.args(), 1.0, num_splits=0)
 

@@ -19,7 +19,9 @@ from benchmarks.workload import BenchRequest
 def test_every_precision_maps_to_a_gguf_type_and_engine_options():
     for name, p in precisions.PRECISIONS.items():
         assert p.name == name and p.gguf_type in llamacpp.FTYPES
-    assert precisions.engine_options(precisions.get_precision("fp32")) == {"dtype": "float32"}
+    # a 16-bit KV cache both sides: llama.cpp's default F16 KV
+    fp32 = precisions.engine_options(precisions.get_precision("fp32"))
+    assert fp32 == {"dtype": "float32", "kv_cache_dtype": "float16"}
     assert precisions.engine_options(precisions.get_precision("bf16")) == {"dtype": "bfloat16"}
     with pytest.raises(ValueError, match=r"precision must be one of .*'fp8'"):
         precisions.get_precision("fp8")
@@ -36,9 +38,11 @@ def test_int8_errors_until_the_engine_has_quantization(monkeypatch):
     class WithQuantization:
         dtype: str = "auto"
         quantization: str | None = None
+        kv_cache_dtype: str = "auto"
 
     monkeypatch.setattr(precisions, "EngineConfig", WithQuantization)
-    assert precisions.engine_options(int8) == {"dtype": "float32", "quantization": "int8"}
+    expect = {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "float16"}
+    assert precisions.engine_options(int8) == expect
 
 
 def _throughput_args(*argv: str) -> argparse.Namespace:
@@ -191,7 +195,7 @@ def test_teacher_forced_nll_through_the_runner_equals_hf(tiny_llama, monkeypatch
 
 
 def test_report_renders_accuracy_and_llamacpp_targets():
-    row = lambda p, g: {"precision": p, "note": "n", "pagedspec_weights": "dtype=float32",
+    row = lambda p, g: {"precision": p, "note": "n", "pagedspec_options": "dtype=float32",
                         "gguf_type": g, "pagedspec": {"identical": 0.9, "mean_common_prefix": 60.0,
                         "perplexity": 12.5, "tokens_per_output": 64.0},
                         "llamacpp": {"error": "llama_cpp is not importable"}}  # fmt: skip

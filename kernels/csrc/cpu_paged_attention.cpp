@@ -17,7 +17,8 @@
 // it computes on, from random addresses: the next block is prefetched into L2, a few lines per
 // row of work. (Prefill through BLAS GEMMs per block was 1.1-1.7x slower on the dev CPU.)
 // Every row sees position 0, so m is finite after the first update. Accumulation is in float32
-// whatever the cache dtype (bf16/fp16 rows are converted block by block).
+// whatever the dtypes: bf16/fp16 cache rows are widened block by block, and the cache may be
+// 16-bit under float32 queries (kv_cache_dtype), which halves the bytes a decode reads.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -197,19 +198,44 @@ class BlockPrefetcher {
   const char *line_ = nullptr, *end_ = nullptr;  // the current run's next line and its end
 };
 
-// A cache row as float32: the row itself for a float32 cache, else a float32 copy in buf.
-template <typename T>
-inline const float* as_float(const T* row, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) return row;
-  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
-  return buf;
+// A cache row as float32: the row itself for a float32 cache, else a float32 copy in buf (exact:
+// every bf16 and fp16 value is a float32 value).
+template <typename C>
+inline const float* as_float(const C* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<C, float>) {
+    return row;
+  } else {
+    int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; d + 16 <= n; d += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
+      if constexpr (std::is_same_v<C, at::BFloat16>) {  // bf16 is float32's upper half
+        _mm512_storeu_ps(buf + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      } else {
+        _mm512_storeu_ps(buf + d, _mm512_cvtph_ps(h));
+      }
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    for (; d + 8 <= n; d += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+      if constexpr (std::is_same_v<C, at::BFloat16>) {
+        _mm256_storeu_ps(buf + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      } else {
+        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(h));
+      }
+    }
+#endif
+    for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
 }
 
-template <typename T>
+// T: the query's and out's dtype; C: the cache's (T itself, or 16-bit under a float32 T).
+template <typename T, typename C>
 struct Problem {
   const T* query;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   T* out;
   const int64_t* block_tables;
   int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], table_stride;
@@ -242,31 +268,31 @@ struct Scratch {
 };
 
 // One work item's view of the cache: its sequence's blocks, on its KV heads.
-template <typename T>
+template <typename T, typename C>
 struct ItemCache {
-  const Problem<T>& p;
+  const Problem<T, C>& p;
   const WorkItem& w;
   const int64_t* table;
 
-  ItemCache(const Problem<T>& problem, const WorkItem& item)
+  ItemCache(const Problem<T, C>& problem, const WorkItem& item)
       : p(problem), w(item), table(problem.block_tables + item.seq * problem.table_stride) {}
 
   int64_t positions(int64_t b) const {  // positions of block b in use
     return std::min(p.block_size, w.first_pos + w.num_tokens - b * p.block_size);
   }
-  const T* block(const T* cache, const int64_t (&stride)[3], int64_t b) const {
+  const C* block(const C* cache, const int64_t (&stride)[3], int64_t b) const {
     return cache + table[b] * stride[0] + w.kv_head * stride[2];
   }
   RowSet rows(bool v, int64_t b) const {
-    const T* start = v ? block(p.v_cache, p.v_stride, b) : block(p.k_cache, p.k_stride, b);
+    const C* start = v ? block(p.v_cache, p.v_stride, b) : block(p.k_cache, p.k_stride, b);
     return {reinterpret_cast<const char*>(start), positions(b),
-            (v ? p.v_stride[1] : p.k_stride[1]) * static_cast<int64_t>(sizeof(T))};
+            (v ? p.v_stride[1] : p.k_stride[1]) * static_cast<int64_t>(sizeof(C))};
   }
-  int64_t row_bytes() const { return w.num_kv_heads * p.head_dim * sizeof(T); }
+  int64_t row_bytes() const { return w.num_kv_heads * p.head_dim * sizeof(C); }
   // Block b's K or V rows as float32 pointers: out[h * B + j] for j < positions(b).
   void load(bool v, int64_t b, Scratch& s) const {
     const int64_t(&stride)[3] = v ? p.v_stride : p.k_stride;
-    const T* start = block(v ? p.v_cache : p.k_cache, stride, b);
+    const C* start = block(v ? p.v_cache : p.k_cache, stride, b);
     float* buf = (v ? s.v_buf : s.k_buf).data();
     const float** out = (v ? s.v_rows : s.k_rows).data();
     const int64_t B = p.block_size, D = p.head_dim, n = positions(b);
@@ -297,9 +323,9 @@ inline float softmax_update(float* score, int64_t len, float& m, float& l) {
 // is updated once over the whole partition, and pass 2 adds weights . V block by block for the
 // rows of a KV head together. Blocks are prefetched in the order they are read: a partition's K
 // blocks, then its V blocks.
-template <typename T>
-void walk_partitions(const ItemCache<T>& c, Scratch& s) {
-  const Problem<T>& p = c.p;
+template <typename T, typename C>
+void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
+  const Problem<T, C>& p = c.p;
   const WorkItem& w = c.w;
   const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
   const int64_t rows = w.num_tokens * H * G, width = partition_width(B);
@@ -369,8 +395,8 @@ void walk_partitions(const ItemCache<T>& c, Scratch& s) {
   }
 }
 
-template <typename T>
-void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
+template <typename T, typename C>
+void attend(const Problem<T, C>& p, const WorkItem& w, Scratch& s) {
   const int64_t G = p.group, D = p.head_dim;
   const int64_t heads_rows = w.num_kv_heads * G;  // rows per token
   const int64_t rows = w.num_tokens * heads_rows;
@@ -384,7 +410,7 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   std::fill_n(s.acc.begin(), rows * D, 0.f);
   std::fill_n(s.m.begin(), rows, kNegInf);
   std::fill_n(s.l.begin(), rows, 0.f);
-  walk_partitions(ItemCache<T>(p, w), s);
+  walk_partitions(ItemCache<T, C>(p, w), s);
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = p.out + (w.first_token + r / heads_rows) * p.out_stride[0] +
              (first_head + r % heads_rows) * p.out_stride[1];
@@ -454,8 +480,8 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
   return items;
 }
 
-template <typename T>
-void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
+template <typename T, typename C>
+void run(const Problem<T, C>& p, const std::vector<WorkItem>& items) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   // Scratch for the largest item's rows only: a decode item has G rows, and zeroing scratch for
   // kMaxRows rows (~170 KB a thread at SmolLM2's shapes) took half the kernel's time at a
@@ -472,26 +498,31 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items) {
   }
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& tables, at::Tensor& out, double scale,
                const std::vector<WorkItem>& items) {
-  const Problem<T> p{query.data_ptr<T>(),
-                     k_cache.data_ptr<T>(),
-                     v_cache.data_ptr<T>(),
-                     out.data_ptr<T>(),
-                     tables.data_ptr<int64_t>(),
-                     {query.stride(0), query.stride(1)},
-                     {out.stride(0), out.stride(1)},
-                     {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
-                     {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
-                     tables.stride(0),
-                     query.size(1) / k_cache.size(2),
-                     k_cache.size(2),
-                     k_cache.size(3),
-                     k_cache.size(1),
-                     static_cast<float>(scale)};
+  const Problem<T, C> p{query.data_ptr<T>(),
+                        k_cache.data_ptr<C>(),
+                        v_cache.data_ptr<C>(),
+                        out.data_ptr<T>(),
+                        tables.data_ptr<int64_t>(),
+                        {query.stride(0), query.stride(1)},
+                        {out.stride(0), out.stride(1)},
+                        {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+                        tables.stride(0),
+                        query.size(1) / k_cache.size(2),
+                        k_cache.size(2),
+                        k_cache.size(3),
+                        k_cache.size(1),
+                        static_cast<float>(scale)};
   run(p, items);
+}
+
+// kernels.checks.cache_holds: a cache of `cache` may hold (and be read against) `dtype` tensors.
+bool cache_holds(at::ScalarType dtype, at::ScalarType cache) {
+  return dtype == cache || (dtype == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf));
 }
 
 // Devices, shapes, dtypes and strides: kernels.checks checks them too, with messages per
@@ -511,10 +542,12 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
                     "num_kv_heads >= 1, head_dim], got ", k_cache.sizes(), " and ",
                     v_cache.sizes());
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK_VALUE(query.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
-                        out.scalar_type() == dtype,
-                    "query, out and the caches must have one dtype, got ", query.scalar_type(),
-                    ", ", out.scalar_type(), ", ", dtype, " and ", v_cache.scalar_type());
+  TORCH_CHECK_VALUE(v_cache.scalar_type() == dtype && out.scalar_type() == query.scalar_type() &&
+                        cache_holds(query.scalar_type(), dtype),
+                    "query and out must have one dtype, the caches one dtype, and the caches' "
+                    "must be the query's or 16-bit under float32 queries, got ",
+                    query.scalar_type(), ", ", out.scalar_type(), ", ", dtype, " and ",
+                    v_cache.scalar_type());
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(query.dim() == 3 && query.size(2) == k_cache.size(3) &&
                         query.size(1) >= num_kv_heads && query.size(1) % num_kv_heads == 0,
@@ -538,6 +571,46 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK_VALUE(scale > 0.0, "scale must be > 0, got ", scale);
 }
 
+// write_kv_cache's copy of src [T, H, D] into cache rows at `slots` (-1 skips a token).
+// C = char: the same dtype, copied as bytes, `item` bytes an element; C = BFloat16 or Half: a
+// float32 src rounded to nearest even into a 16-bit cache (item = 1). A row of head_dim elements
+// moves whole when both sides have it contiguous.
+template <typename C>
+void copy_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t item) {
+  using From = std::conditional_t<std::is_same_v<C, char>, char, float>;
+  const From* from = static_cast<const From*>(src.data_ptr());
+  C* to = static_cast<C*>(cache.data_ptr());
+  const int64_t block_size = cache.size(1), heads = cache.size(2), head_dim = cache.size(3);
+  const bool rows = src.stride(2) == 1 && cache.stride(3) == 1;
+  at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (slots[i] < 0) continue;
+      const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const From* s = from + (i * src.stride(0) + h * src.stride(1)) * item;
+        C* d = to + (block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2)) * item;
+        if constexpr (std::is_same_v<C, char>) {
+          if (rows) {
+            std::memcpy(d, s, head_dim * item);
+            continue;
+          }
+          for (int64_t e = 0; e < head_dim; ++e) {
+            std::memcpy(d + e * cache.stride(3) * item, s + e * src.stride(2) * item, item);
+          }
+        } else {  // round to nearest even, as torch's .to()
+          if (rows) {
+            at::vec::convert(s, d, head_dim);
+            continue;
+          }
+          for (int64_t e = 0; e < head_dim; ++e) {
+            d[e * cache.stride(3)] = static_cast<C>(s[e * src.stride(2)]);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -551,6 +624,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                                 num_heads / num_kv_heads);
   switch (query.scalar_type()) {
     case at::kFloat:
+      if (k_cache.scalar_type() == at::kBFloat16) {
+        return run_typed<float, at::BFloat16>(query, k_cache, v_cache, tables, out, scale, items);
+      }
+      if (k_cache.scalar_type() == at::kHalf) {
+        return run_typed<float, at::Half>(query, k_cache, v_cache, tables, out, scale, items);
+      }
       return run_typed<float>(query, k_cache, v_cache, tables, out, scale, items);
     case at::kBFloat16:
       return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, out, scale, items);
@@ -580,10 +659,11 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape ", value.sizes(),
                     " must equal key shape ", key.sizes());
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK_VALUE(v_cache.scalar_type() == dtype && key.scalar_type() == dtype &&
-                        value.scalar_type() == dtype,
-                    "key/value dtype must equal the cache dtype ", dtype, ", got ",
-                    key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK_VALUE(v_cache.scalar_type() == dtype && value.scalar_type() == key.scalar_type() &&
+                        cache_holds(key.scalar_type(), dtype),
+                    "key/value dtype must equal the cache dtype ", dtype,
+                    " (or be float32 over a float16/bfloat16 cache), got ", key.scalar_type(),
+                    " and ", value.scalar_type());
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
                     "slot_mapping dtype must be int32 or int64, got ", slot_mapping.scalar_type());
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
@@ -596,32 +676,14 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                       "slot_mapping values must be -1 or in [0, ", num_slots,
                       ") (num_blocks * block_size), got ", slots[i]);
   }
-  const int64_t item = key.element_size();
-  // Element (token or block/offset, head, d) -> byte offset; rows of head_dim elements are copied
-  // whole when both sides have them contiguous.
-  const auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
-    const char* from = static_cast<const char*>(src.data_ptr());
-    char* to = static_cast<char*>(cache.data_ptr());
-    const bool rows = src.stride(2) == 1 && cache.stride(3) == 1;
-    at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        if (slots[i] < 0) continue;
-        const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
-        for (int64_t h = 0; h < heads; ++h) {
-          const char* s = from + (i * src.stride(0) + h * src.stride(1)) * item;
-          char* d = to + (block * cache.stride(0) + offset * cache.stride(1) +
-                          h * cache.stride(2)) * item;
-          if (rows) {
-            std::memcpy(d, s, head_dim * item);
-            continue;
-          }
-          for (int64_t e = 0; e < head_dim; ++e) {
-            std::memcpy(d + e * cache.stride(3) * item, s + e * src.stride(2) * item, item);
-          }
-        }
-      }
-    });
-  };
-  copy(key, k_cache);
-  copy(value, v_cache);
+  if (key.scalar_type() == dtype) {
+    copy_rows<char>(key, k_cache, slots, key.element_size());
+    copy_rows<char>(value, v_cache, slots, key.element_size());
+  } else if (dtype == at::kBFloat16) {
+    copy_rows<at::BFloat16>(key, k_cache, slots, 1);
+    copy_rows<at::BFloat16>(value, v_cache, slots, 1);
+  } else {
+    copy_rows<at::Half>(key, k_cache, slots, 1);
+    copy_rows<at::Half>(value, v_cache, slots, 1);
+  }
 }
