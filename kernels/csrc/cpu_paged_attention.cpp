@@ -114,12 +114,40 @@ inline void block_scores(const float* q, const float* const* k, int64_t n, int64
   for (int64_t j = 0; j < n; ++j) score[j] = dot(q, k[j], D);
 }
 
+// Vec::size() cache values from p as floats (exact: every bf16 and fp16 value is a float32).
+template <typename C>
+C10_ALWAYS_INLINE Vec load_wide(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return Vec::loadu(p);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<C, at::BFloat16>) {  // bf16 is float32's upper half
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<C, at::BFloat16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+#else
+    float wide[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) wide[i] = static_cast<float>(p[i]);
+    return Vec::loadu(wide);
+#endif
+  }
+}
+
 // acc_r = acc_r * alpha_r + sum_j weight_r[j] v[j] for R rows that share the block's V rows:
 // each V load feeds R rows, and R * kRun independent FMA chains hide the FMA latency. A row's
 // arithmetic is the same whatever R (so whatever the batch around it).
-template <int R>
+template <int R, typename C>
 inline void accumulate_v(float* const* acc, const float* alpha, const float* const* weight,
-                         const float* const* v, int64_t seen, int64_t D) {
+                         const C* const* v, int64_t seen, int64_t D) {
   int64_t d = 0;
   for (; d + kRun * Vec::size() <= D; d += kRun * Vec::size()) {
     Vec a[R][kRun];
@@ -130,7 +158,7 @@ inline void accumulate_v(float* const* acc, const float* alpha, const float* con
     }
     for (int64_t j = 0; j < seen; ++j) {
       Vec vj[kRun];
-      for (int c = 0; c < kRun; ++c) vj[c] = Vec::loadu(v[j] + d + c * Vec::size());
+      for (int c = 0; c < kRun; ++c) vj[c] = load_wide(v[j] + d + c * Vec::size());
       for (int r = 0; r < R; ++r) {
         const Vec w(weight[r][j]);
         for (int c = 0; c < kRun; ++c) a[r][c] = at::vec::fmadd(w, vj[c], a[r][c]);
@@ -144,12 +172,12 @@ inline void accumulate_v(float* const* acc, const float* alpha, const float* con
     int64_t e = d;
     for (; e + Vec::size() <= D; e += Vec::size()) {
       Vec a = Vec::loadu(acc[r] + e) * Vec(alpha[r]);
-      for (int64_t j = 0; j < seen; ++j) a = at::vec::fmadd(Vec(weight[r][j]), Vec::loadu(v[j] + e), a);
+      for (int64_t j = 0; j < seen; ++j) a = at::vec::fmadd(Vec(weight[r][j]), load_wide(v[j] + e), a);
       a.store(acc[r] + e);
     }
     for (; e < D; ++e) {
       float a = acc[r][e] * alpha[r];
-      for (int64_t j = 0; j < seen; ++j) a += weight[r][j] * v[j][e];
+      for (int64_t j = 0; j < seen; ++j) a += weight[r][j] * static_cast<float>(v[j][e]);
       acc[r][e] = a;
     }
   }
@@ -206,25 +234,7 @@ inline const float* as_float(const C* row, float* buf, int64_t n) {
     return row;
   } else {
     int64_t d = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-    for (; d + 16 <= n; d += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
-      if constexpr (std::is_same_v<C, at::BFloat16>) {  // bf16 is float32's upper half
-        _mm512_storeu_ps(buf + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-      } else {
-        _mm512_storeu_ps(buf + d, _mm512_cvtph_ps(h));
-      }
-    }
-#elif defined(CPU_CAPABILITY_AVX2)
-    for (; d + 8 <= n; d += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-      if constexpr (std::is_same_v<C, at::BFloat16>) {
-        _mm256_storeu_ps(buf + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-      } else {
-        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(h));
-      }
-    }
-#endif
+    for (; d + Vec::size() <= n; d += Vec::size()) load_wide(row + d).store(buf + d);
     for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
     return buf;
   }
@@ -250,9 +260,14 @@ inline int64_t partition_width(int64_t block_size) {
   return std::max<int64_t>(1, kPartition / block_size) * block_size;
 }
 
+// C: the cache's dtype. K rows are widened into k_buf (each is read by the G query rows of its KV
+// head, one row at a time); V rows are read in place, widened as they are loaded (accumulate_v
+// reads each once for all the rows of its KV head).
+template <typename C>
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, alpha, ones, k_buf, v_buf;
-  std::vector<const float*> k_rows, v_rows;  // [kv head][position] of the current block
+  std::vector<float> q, acc, scores, m, l, alpha, ones, k_buf;
+  std::vector<const float*> k_rows;  // [kv head][position] of the current block
+  std::vector<const C*> v_rows;
   Scratch(int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size)
       : q(rows * head_dim),
         acc(rows * head_dim),
@@ -262,7 +277,6 @@ struct Scratch {
         alpha(rows),
         ones(rows, 1.f),
         k_buf(num_kv_heads * block_size * head_dim),
-        v_buf(num_kv_heads * block_size * head_dim),
         k_rows(num_kv_heads * block_size),
         v_rows(num_kv_heads * block_size) {}
 };
@@ -289,17 +303,23 @@ struct ItemCache {
             (v ? p.v_stride[1] : p.k_stride[1]) * static_cast<int64_t>(sizeof(C))};
   }
   int64_t row_bytes() const { return w.num_kv_heads * p.head_dim * sizeof(C); }
-  // Block b's K or V rows as float32 pointers: out[h * B + j] for j < positions(b).
-  void load(bool v, int64_t b, Scratch& s) const {
-    const int64_t(&stride)[3] = v ? p.v_stride : p.k_stride;
-    const C* start = block(v ? p.v_cache : p.k_cache, stride, b);
-    float* buf = (v ? s.v_buf : s.k_buf).data();
-    const float** out = (v ? s.v_rows : s.k_rows).data();
+  // Block b's K rows as float32 pointers: k_rows[h * B + j] for j < positions(b).
+  void load_k(int64_t b, Scratch<C>& s) const {
+    const C* start = block(p.k_cache, p.k_stride, b);
     const int64_t B = p.block_size, D = p.head_dim, n = positions(b);
     for (int64_t h = 0; h < w.num_kv_heads; ++h) {
       for (int64_t j = 0; j < n; ++j) {
-        out[h * B + j] = as_float(start + j * stride[1] + h * stride[2], buf + (h * B + j) * D, D);
+        s.k_rows[h * B + j] =
+            as_float(start + j * p.k_stride[1] + h * p.k_stride[2], s.k_buf.data() + (h * B + j) * D, D);
       }
+    }
+  }
+  // Block b's V rows in the cache: v_rows[h * B + j] for j < positions(b).
+  void load_v(int64_t b, Scratch<C>& s) const {
+    const C* start = block(p.v_cache, p.v_stride, b);
+    const int64_t B = p.block_size, n = positions(b);
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      for (int64_t j = 0; j < n; ++j) s.v_rows[h * B + j] = start + j * p.v_stride[1] + h * p.v_stride[2];
     }
   }
 };
@@ -324,7 +344,7 @@ inline float softmax_update(float* score, int64_t len, float& m, float& l) {
 // rows of a KV head together. Blocks are prefetched in the order they are read: a partition's K
 // blocks, then its V blocks.
 template <typename T, typename C>
-void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
+void walk_partitions(const ItemCache<T, C>& c, Scratch<C>& s) {
   const Problem<T, C>& p = c.p;
   const WorkItem& w = c.w;
   const int64_t G = p.group, D = p.head_dim, B = p.block_size, H = w.num_kv_heads;
@@ -345,7 +365,7 @@ void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
     for (int64_t b = part; b < part_end; ++b) {  // pass 1: scores
       BlockPrefetcher prefetcher;
       const int64_t prefetch_per_row = prefetch_next(prefetcher, false, b);
-      c.load(false, b, s);
+      c.load_k(b, s);
       const int64_t base = b * B, n = c.positions(b);
       for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {  // rows: token, KV head, group
         const int64_t seen = std::clamp<int64_t>(w.first_pos + t - base + 1, 0, n);
@@ -366,7 +386,7 @@ void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
     for (int64_t b = part; b < part_end; ++b) {  // pass 2: acc = acc * alpha + weights . V
       BlockPrefetcher prefetcher;
       const int64_t prefetch_per_row = prefetch_next(prefetcher, true, b);
-      c.load(true, b, s);
+      c.load_v(b, s);
       const int64_t base = b * B, n = c.positions(b);
       const float* alpha = (b == part ? s.alpha : s.ones).data();  // scale once per partition
       for (int64_t t = 0, r = 0; t < w.num_tokens; ++t) {
@@ -381,7 +401,7 @@ void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
               acc[i] = s.acc.data() + (first + i) * D;
               weight[i] = s.scores.data() + (first + i) * width + (b - part) * B;
             }
-            const float* const* v = s.v_rows.data() + h * B;
+            const C* const* v = s.v_rows.data() + h * B;
             switch (n_rows) {
               case 1: accumulate_v<1>(acc, alpha + first, weight, v, seen, D); break;
               case 2: accumulate_v<2>(acc, alpha + first, weight, v, seen, D); break;
@@ -396,7 +416,7 @@ void walk_partitions(const ItemCache<T, C>& c, Scratch& s) {
 }
 
 template <typename T, typename C>
-void attend(const Problem<T, C>& p, const WorkItem& w, Scratch& s) {
+void attend(const Problem<T, C>& p, const WorkItem& w, Scratch<C>& s) {
   const int64_t G = p.group, D = p.head_dim;
   const int64_t heads_rows = w.num_kv_heads * G;  // rows per token
   const int64_t rows = w.num_tokens * heads_rows;
@@ -492,7 +512,7 @@ void run(const Problem<T, C>& p, const std::vector<WorkItem>& items) {
   }
 #pragma omp parallel if (num_items > 1)
   {
-    Scratch scratch(max_rows, p.num_kv_heads, p.head_dim, p.block_size);
+    Scratch<C> scratch(max_rows, p.num_kv_heads, p.head_dim, p.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) attend(p, items[i], scratch);
   }
