@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from engine.config import (
     ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -51,7 +52,7 @@ ENGINE_OPTIONS = {
     for name in (
         "model", "dtype", "device", "load_format", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "num_kv_blocks", "block_size", "attention_backend", "seed",
-        "tensor_parallel_size", "quantization",
+        "tensor_parallel_size", "quantization", "kv_cache_dtype",
     )
 }  # fmt: skip
 
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=[q for q in QUANTIZATIONS if q],
         help="weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype: auto (the model's), or float16/bfloat16 under a float32 model",
     )
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights"

@@ -286,6 +286,13 @@ def test_generate_script_names_the_bad_flag(no_model, capsys, tmp_path, flags, n
     assert one_error_line(capsys).startswith(f"error: {named}: ")
 
 
+def test_generate_script_passes_the_kv_cache_dtype_on():
+    args = engine.generate.build_parser().parse_args(
+        ["--prompt", "hi", "--kv-cache-dtype", "float16"]
+    )
+    assert engine.generate.check_args(args)[2].kv_cache_dtype == "float16"
+
+
 def test_generate_script_exits_2_without_a_traceback(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "{"])
     run = subprocess.run(

@@ -10,6 +10,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 
 from engine.config import (
     ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -29,6 +30,7 @@ CHOICES = {
     "load_format": ("auto", "dummy"),
     "method": SPECULATIVE_METHODS,
     "quantization": tuple(q for q in QUANTIZATIONS if q),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 HELP = {
     "model": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
@@ -41,6 +43,8 @@ HELP = {
     "seed": "engine seed (unseeded requests)",
     "quantization": "weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
     "kv_cache_memory": "bytes for the KV cache when --num-kv-blocks is not given",
+    "kv_cache_dtype": "KV cache dtype: auto (the model's), or float16/bfloat16 under a float32 "
+    "model",
     "method": "speculative decoding method; off when not given",
     "draft_model": "draft model (draft) or EAGLE head directory (eagle)",
     "num_speculative_tokens": "most drafts per sequence per step",
