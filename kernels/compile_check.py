@@ -31,43 +31,50 @@ BLOCK_SIZE = 16
 _RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
 def variants(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[dict]:
     """Every (kernel, constants) the engine can launch for these dtypes and head dims."""
-    import torch
 
     from kernels.triton_attention import _MAX_SPLITS, max_block_m
     from kernels.triton_warmup import attention_variants
 
     out = []
     for dtype, block_d in itertools.product(dtypes, head_dims):
-        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        limit = max_block_m(torch_dtype, block_d)
+        limit = max_block_m(_torch_dtype(dtype), block_d)
         block_ms = sorted({v.block_m for v in attention_variants(GROUP, 0, limit)})
-        for block_m, split in itertools.product(block_ms, (False, True)):
-            out.append(dict(kernel="attention", dtype=dtype, block_d=block_d,
-                            block_m=block_m, split=split))  # fmt: skip
+        # the cache: the model's dtype, or 16-bit under float32 (kv_cache_dtype)
+        for cache in (dtype, *(("fp16", "bf16") if dtype == "fp32" else ())):
+            for block_m, split in itertools.product(block_ms, (False, True)):
+                out.append(dict(kernel="attention", dtype=dtype, cache=cache, block_d=block_d,
+                                block_m=block_m, split=split))  # fmt: skip
+            out.append(dict(kernel="write_kv", dtype=dtype, cache=cache, block_d=block_d))
         for p2 in (2**p for p in range(1, _MAX_SPLITS.bit_length())):
             out.append(dict(kernel="merge", dtype=dtype, block_d=block_d, splits_p2=p2))
-        out.append(dict(kernel="write_kv", dtype=dtype, block_d=block_d))
     return out
 
 
 def _source(v: dict):
     """The ASTSource and launch options of variant v."""
-    import torch
     from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
     from kernels import triton_kv_write as tw
 
     dtype = v["dtype"]
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     if v["kernel"] == "attention":
         kernel = ta._attention_kernel
-        ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+        ptrs = {n: f"*{dtype}" for n in ("q_ptr", "out_ptr")}
+        ptrs |= {n: f"*{v['cache']}" for n in ("k_ptr", "v_ptr")}
         ptrs |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
         ptrs |= {n: "*i32" for n in ("block_tables_ptr", "cu_query_lens_ptr", "seq_lens_ptr")}
-        config = ta.kernel_config(torch_dtype, v["block_d"], v["block_m"])
+        config = ta.kernel_config(
+            _torch_dtype(dtype), v["block_d"], v["block_m"], _torch_dtype(v["cache"])
+        )
         consts = dict(GROUP=GROUP, BLOCK_M=v["block_m"], BLOCK_Q=v["block_m"] // GROUP,
                       BLOCK_N=config.block_n, BLOCK_D=v["block_d"], BLOCK_SIZE=BLOCK_SIZE,
                       SPLIT_KV=v["split"], DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
@@ -81,7 +88,8 @@ def _source(v: dict):
         options = {}
     else:
         kernel = tw._write_kv_kernel
-        ptrs = {n: f"*{dtype}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+        ptrs = {n: f"*{dtype}" for n in ("key_ptr", "value_ptr")}
+        ptrs |= {n: f"*{v['cache']}" for n in ("k_cache_ptr", "v_cache_ptr")}
         ptrs["slot_ptr"] = "*i64"
         consts = dict(BLOCK_SIZE=BLOCK_SIZE, BLOCK_H=8, BLOCK_D=v["block_d"])
         options = {}

@@ -291,6 +291,17 @@ _CONFIGS = {
     (True, 128, 16): KernelConfig(32, 8, 2),
     (True, 128, 32): KernelConfig(16, 8, 3),
 }
+# Float32 queries over a 16-bit cache (kv_cache_dtype), per (padded head dim, BLOCK_M): the K/V
+# tiles are widened after their load, and with num_stages > 1 the software pipeline then kept
+# whole tiles in registers and spilled (kernels.compile_check: up to 600 bytes of stack on
+# sm_80/90); one stage and narrower tiles compile without spills. Not timed: no GPU was lent.
+_NARROW_CACHE_CONFIGS = {
+    (64, 16): KernelConfig(32, 4, 1),
+    (64, 32): KernelConfig(32, 8, 1),
+    (64, 64): KernelConfig(16, 8, 1),
+    (128, 16): KernelConfig(32, 8, 1),
+    (128, 32): KernelConfig(16, 16, 1),
+}
 # Head dims past 128 (no model served here has them): small tiles, not compile-checked.
 _WIDE_HEAD_CONFIG = KernelConfig(16, 8, 1)
 
@@ -301,12 +312,18 @@ def max_block_m(dtype: torch.dtype, block_d: int) -> int:
     return 32 if dtype == torch.float32 and block_d > 64 else 64
 
 
-def kernel_config(dtype: torch.dtype, block_d: int, block_m: int) -> KernelConfig:
-    """Launch config per (dtype, padded head dim, BLOCK_M): see _CONFIGS. Head dims up to 64 use
+def kernel_config(
+    dtype: torch.dtype, block_d: int, block_m: int, cache_dtype: torch.dtype | None = None
+) -> KernelConfig:
+    """Launch config per (query dtype, padded head dim, BLOCK_M), and the cache's dtype where it
+    differs (None: the query's): see _CONFIGS and _NARROW_CACHE_CONFIGS. Head dims up to 64 use
     the 64 entries (smaller tiles fit wherever those do)."""
     if block_d > 128:
         return _WIDE_HEAD_CONFIG
-    return _CONFIGS[dtype == torch.float32, max(64, block_d), min(64, block_m)]
+    key = max(64, block_d), min(64, block_m)
+    if cache_dtype is not None and cache_dtype != dtype:
+        return _NARROW_CACHE_CONFIGS[key]
+    return _CONFIGS[(dtype == torch.float32, *key)]
 
 
 @dataclass(frozen=True)
@@ -411,7 +428,7 @@ def launch(
     num_seqs = seq_lens.shape[0]
     num_splits = plan.num_splits
     block_d = max(16, triton.next_power_of_2(head_dim))
-    config = kernel_config(query.dtype, block_d, plan.block_m)
+    config = kernel_config(query.dtype, block_d, plan.block_m, k_cache.dtype)
     if num_splits > 1:
         part_m = torch.empty(num_splits, num_tokens, num_heads, device=query.device)
         part_l = torch.empty_like(part_m)

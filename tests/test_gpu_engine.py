@@ -72,13 +72,17 @@ def _compiled_kernels() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_serving_compiles_nothing_after_warmup():
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "float16")]
+)
+def test_gpu_serving_compiles_nothing_after_warmup(dtype, kv_cache_dtype):
+    """The warm-up compiles for the queries the model makes (float32 over a float16 cache)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     config = EngineConfig(
         model="benchmarks/model_configs/llama-3.2-1b.json", load_format="dummy",
-        dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=64,
-        num_kv_blocks=4096,
+        dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cuda", max_model_len=4096,
+        max_num_seqs=64, num_kv_blocks=4096,
     )  # fmt: skip
     engine = LLMEngine(config)
     compiled = _compiled_kernels()

@@ -209,11 +209,34 @@ def test_gpu_xformers_matches_reference(case, gen):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_write_kv_cache_matches_reference(gen):
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["decode_b64", "prefill_chunk_plus_decodes"])
+def test_gpu_triton_float32_queries_over_a_16_bit_cache(case, cache_dtype, gen):
+    """kv_cache_dtype on the GPU: float64 on the same rounded cache agrees at float32's
+    tolerance."""
+    q_lens, seq_lens = _gpu_cases(gen)[case]
+    p = _gpu_problem(q_lens, seq_lens, gen).to(torch.float32, cache_dtype)
+    exact = reference.paged_attention(*p.to(torch.float64).args(), 128**-0.5)
+    got = triton_attention.paged_attention(*p.args(), 128**-0.5)
+    assert got.dtype == torch.float32 and relative_error(got, exact) <= 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_gpu_write_kv_cache_matches_reference(dtype, cache_dtype, gen):
+    """Float32 keys into a 16-bit cache round to nearest even, as torch's .to() does."""
     slots = torch.randperm(4096 * 16, generator=gen)[:3000]
     slots[torch.randperm(3000, generator=gen)[:100]] = -1
-    key, value = torch.randn(2, 3000, 8, 128, generator=gen).to("cuda", torch.bfloat16)
-    caches = [torch.randn(4096, 16, 8, 128, generator=gen).to("cuda", torch.bfloat16) for _ in "kv"]
+    key, value = torch.randn(2, 3000, 8, 128, generator=gen).to("cuda", dtype)
+    caches = [torch.randn(4096, 16, 8, 128, generator=gen).to("cuda", cache_dtype) for _ in "kv"]
     expect = [c.clone() for c in caches]
     kernels.write_kv_cache(key, value, *caches, slots.cuda(), backend="triton")
     kernels.write_kv_cache(key, value, *expect, slots.cuda(), backend="torch")
