@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from benchmarks import llamacpp, workload
-from benchmarks.precisions import PRECISIONS, Precision, engine_options, get_precision
+from benchmarks.precisions import PRECISIONS, engine_options, get_precision
 from benchmarks.timing import run_engine
 from benchmarks.workload import BenchRequest
 from engine.model_runner import Span
@@ -165,11 +165,11 @@ def run(args) -> dict:
     reference = ours({"dtype": "float32"})["tokens"]
     rows = []
     for p in precisions:
-        row = {"precision": p.name, "note": p.note, "pagedspec_options": engine_options_text(p),
-               "gguf_type": p.gguf_type}  # fmt: skip
+        row = {"precision": p.name, "note": p.note, "gguf_type": p.gguf_type}
         try:
-            # engine_options: ValueError while the engine lacks an option
-            row["pagedspec"] = _scores(ours(engine_options(p)), reference)
+            options = engine_options(p)  # ValueError while the engine lacks an option
+            row["pagedspec_options"] = ", ".join(f"{k}={v}" for k, v in options.items())
+            row["pagedspec"] = _scores(ours(options), reference)
         except ValueError as exc:
             row["pagedspec"] = {"error": str(exc)}
         if skipped:
@@ -188,10 +188,6 @@ def run(args) -> dict:
                "prompts": {"num": len(prompts), "max_tokens": args.max_tokens}}  # fmt: skip
     workload.save(payload, args.output_dir, args.tag)
     return payload
-
-
-def engine_options_text(p: Precision) -> str:
-    return ", ".join(f"{k}={v}" for k, v in engine_options(p).items())
 
 
 def build_parser():

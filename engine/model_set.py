@@ -60,6 +60,11 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
             f"kv_cache_dtype {config.kv_cache_dtype!r} needs a float32 model or one of its own "
             f"dtype; this model computes in {model_dtype} (use 'auto')"
         )
+    if dtype != model_dtype and config.attention_backend == "xformers":
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype!r} differs from the model's {model_dtype}, "
+            f"which attention_backend 'xformers' cannot read (use 'auto' or 'triton')"
+        )
     return dtype
 
 

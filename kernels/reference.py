@@ -181,7 +181,9 @@ def plan_paged_attention(
             f"got {lowest}..{highest}"
         )
     kv_pos = torch.arange(nb * block_size, device=device)
-    bytes_per_pos = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    # the gathered K/V, and their copies in the query's dtype under a 16-bit cache
+    item = k_cache.element_size() + (query.element_size() if query.dtype != k_cache.dtype else 0)
+    bytes_per_pos = 2 * num_kv_heads * head_dim * item
     budget = _CUDA_CHUNK_BYTES if device.type == "cuda" else _CPU_CHUNK_BYTES
     chunks = []
     for lo, hi in _chunk_bounds(kv_sorted, bytes_per_pos, budget):

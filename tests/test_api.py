@@ -185,6 +185,11 @@ def test_a_16_bit_kv_cache_needs_a_float32_model(tiny_llama):
         LLM(tiny_llama, dtype="bfloat16", kv_cache_dtype="float16", num_kv_blocks=8)
 
 
+def test_a_16_bit_kv_cache_is_refused_by_xformers_before_serving(tiny_llama):
+    with pytest.raises(ValueError, match="attention_backend 'xformers' cannot read"):
+        LLM(tiny_llama, attention_backend="xformers", kv_cache_dtype="float16", num_kv_blocks=8)
+
+
 def test_a_16_bit_kv_cache_fits_twice_the_blocks_in_the_same_memory(tiny_llama):
     def blocks(kv_cache_dtype: str) -> int:
         llm = LLM(tiny_llama, kv_cache_memory=1 << 20, kv_cache_dtype=kv_cache_dtype)

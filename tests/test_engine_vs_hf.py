@@ -74,9 +74,11 @@ def hf_logprobs_fn(target: str, kv_dtype: torch.dtype | None = None):
     model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
     if kv_dtype is not None:
         hf_rope = modeling_llama.apply_rotary_pos_emb
+        rounded = []  # one entry per rounding: the patch must be what HF's attention calls
 
         def rounded_rope(q, k, *args, **kwargs):
             q, k = hf_rope(q, k, *args, **kwargs)
+            rounded.append(1)
             return q, k.to(kv_dtype).double()
 
         for layer in model.model.layers:
@@ -87,7 +89,10 @@ def hf_logprobs_fn(target: str, kv_dtype: torch.dtype | None = None):
             if kv_dtype is None:
                 return model(torch.tensor([ids])).logits[0].log_softmax(-1)
             with mock.patch.object(modeling_llama, "apply_rotary_pos_emb", rounded_rope):
-                return model(torch.tensor([ids])).logits[0].log_softmax(-1)
+                before = len(rounded)
+                out = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+                assert len(rounded) - before == len(model.model.layers), "keys were not rounded"
+                return out
 
     return logprobs
 
