@@ -64,8 +64,7 @@ def write_kv_cache(
     """
     check_write_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
     check_device(_write_kv_kernel, key.device)
-    narrowing = key.dtype != k_cache.dtype
-    if narrowing and k_cache.dtype == torch.bfloat16 and interpreted(_write_kv_kernel):
+    if key.dtype != k_cache.dtype == torch.bfloat16 and interpreted(_write_kv_kernel):
         raise ValueError(
             "a bfloat16 cache under float32 keys is not supported by Triton's interpreter (it "
             "truncates instead of rounding to nearest); use float16 on the CPU, or CUDA tensors"

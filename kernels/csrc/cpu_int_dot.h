@@ -313,9 +313,10 @@ void over_groups(const at::Tensor& x, const Panels& all, int64_t nb, int64_t pan
     quantize_row(xp + (m + r) * K, K, xq.get() + r * Kp, s.get() + r * nb, sum.get() + r * nb, nb);
   };
   // One parallel region per call: the threads quantise a chunk's rows, meet at the barrier
-  // that ends the `omp for`, then take the groups in contiguous, near-equal blocks. Quantising on one thread while the others waited cost ~4% of a batch-32
-  // decode step, and a region per phase a fork and join each. Up to kSerialQuantRows rows (one
-  // chunk) are quantised before the region: there the barrier costs more than it saves.
+  // that ends the `omp for`, then take the groups in contiguous, near-equal blocks. Quantising
+  // on one thread while the others waited cost ~4% of a batch-32 decode step, and a region per
+  // phase a fork and join each. Up to kSerialQuantRows rows (one chunk) are quantised before
+  // the region: there the barrier costs more than it saves.
   const bool quantized = M <= kSerialQuantRows;
   for (int64_t r = 0; quantized && r < M; ++r) quantize(0, r);
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();

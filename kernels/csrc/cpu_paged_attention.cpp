@@ -592,12 +592,13 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
 }
 
 // write_kv_cache's copy of src [T, H, D] into cache rows at `slots` (-1 skips a token).
-// C = char: the same dtype, copied as bytes, `item` bytes an element; C = BFloat16 or Half: a
-// float32 src rounded to nearest even into a 16-bit cache (item = 1). A row of head_dim elements
-// moves whole when both sides have it contiguous.
+// C = char: the same dtype, copied as bytes; C = BFloat16 or Half: a float32 src rounded to
+// nearest even into a 16-bit cache. A row of head_dim elements moves whole when both sides have
+// it contiguous.
 template <typename C>
-void copy_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t item) {
+void copy_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   using From = std::conditional_t<std::is_same_v<C, char>, char, float>;
+  const int64_t item = std::is_same_v<C, char> ? src.element_size() : 1;  // From's per element
   const From* from = static_cast<const From*>(src.data_ptr());
   C* to = static_cast<C*>(cache.data_ptr());
   const int64_t block_size = cache.size(1), heads = cache.size(2), head_dim = cache.size(3);
@@ -697,13 +698,13 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                       ") (num_blocks * block_size), got ", slots[i]);
   }
   if (key.scalar_type() == dtype) {
-    copy_rows<char>(key, k_cache, slots, key.element_size());
-    copy_rows<char>(value, v_cache, slots, key.element_size());
+    copy_rows<char>(key, k_cache, slots);
+    copy_rows<char>(value, v_cache, slots);
   } else if (dtype == at::kBFloat16) {
-    copy_rows<at::BFloat16>(key, k_cache, slots, 1);
-    copy_rows<at::BFloat16>(value, v_cache, slots, 1);
+    copy_rows<at::BFloat16>(key, k_cache, slots);
+    copy_rows<at::BFloat16>(value, v_cache, slots);
   } else {
-    copy_rows<at::Half>(key, k_cache, slots, 1);
-    copy_rows<at::Half>(value, v_cache, slots, 1);
+    copy_rows<at::Half>(key, k_cache, slots);
+    copy_rows<at::Half>(value, v_cache, slots);
   }
 }
