@@ -334,12 +334,11 @@ def test_iter_safetensors_reads_what_safetensors_wrote(tmp_path):
 @pytest.mark.parametrize("quantization", ["", "int8"])
 def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path, quantization):
     """In a fresh process, loading a model with 40 MB of float32 weights (a tied 17 MB
-    embedding) may raise peak RSS by at most 1.2x that (int8: 1.3x): no initialisation before
-    loading (nor an untied LM head's own weight), no memory-mapped checkpoint pages kept, no
-    plain weight kept beside its pack, no second buffer for packing. (Building on the CPU as
-    before: 1.42x.)
-    Quantising to int8 at load stays within the same bound: each weight's float data goes as
-    its int8 pack comes, never a second float copy of the model."""
+    embedding) may raise peak RSS by at most 1.2x that: no initialisation before loading (nor
+    an untied LM head's own weight), no memory-mapped checkpoint pages kept, no plain weight
+    kept beside its pack, no second buffer for packing. (Building on the CPU as before: 1.42x.)
+    Quantising to int8 at load stays below one float copy of the model (1.0x): each weight is
+    quantised from its read buffer, whose float data goes as its int8 pack comes."""
     sizes = {"vocab_size": 16384, "hidden_size": 256, "intermediate_size": 1024,
              "num_hidden_layers": 6, "tie_word_embeddings": True}  # fmt: skip
     config = LlamaConfig(**(TINY | sizes))
@@ -365,9 +364,9 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     out = subprocess.run([sys.executable, "-c", script, *paths], capture_output=True,
                          text=True, env=env, check=True)  # fmt: skip
     growth = int(out.stdout.split()[-1])
-    # int8 measured 1.15-1.21x (the float data freed as each pack comes is not always reused
-    # by the next tensor's read); a second float copy of the model would be ~1.75x
-    bound = 1.3 if quantization else 1.2
+    # int8 measured 0.69-0.76x here, and 1.11-1.17x (1.31x on a CI machine) when each weight
+    # was copied out of its read buffer before quantising: the 17 MB embedding resident twice
+    bound = 1.0 if quantization else 1.2
     assert growth <= bound * weight_bytes, (growth / 1e6, weight_bytes / 1e6)
 
 

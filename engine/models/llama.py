@@ -58,6 +58,18 @@ def _row_linear(shard: TPShard, in_features: int, out_features: int, bias: bool)
     return RowParallelLinear(in_features, out_features, bias, shard)
 
 
+def _owns_whole(tensor: torch.Tensor, param: nn.Parameter) -> bool:
+    """Whether ``tensor`` can become ``param``'s data as it is: same shape, dtype and device,
+    contiguous, and the only tensor on its storage (no larger buffer kept alive by a view)."""
+    return (
+        tensor.shape == param.shape
+        and tensor.dtype == param.dtype
+        and tensor.device == param.device
+        and tensor.is_contiguous()
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+    )
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, shard: TPShard = NO_TP) -> None:
         super().__init__()
@@ -256,7 +268,10 @@ class LlamaForCausalLM(nn.Module):
         then yield lazy safetensors slices, so a rank reads only its part. Raises ValueError
         for an unknown name, a shape mismatch or a missing weight. ``on_loaded(parameter)``
         runs as soon as a parameter has all its parts (quantising at load uses it, so that
-        the float32 model is never resident whole).
+        the float32 model is never resident whole). With ``on_loaded``, a parameter that one
+        checkpoint tensor fills whole, in its dtype and with a storage of its own, takes that
+        tensor as its data instead of a copy: the hook consumes it at once, and a copy would
+        hold the weight twice (the read buffer beside the parameter's pages) at the peak.
         """
         params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as embed
         loaded: dict[str, set[int]] = {name: set() for name in params}
@@ -282,10 +297,14 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor)
+            param = params[name]
+            if on_loaded is not None and _owns_whole(tensor, param):
+                param.data = tensor
+            else:
+                target.copy_(tensor)
             loaded[name].add(shard)
             if on_loaded is not None and len(loaded[name]) == len(self._shard_sizes(name)):
-                on_loaded(params[name])
+                on_loaded(param)
         missing = [n for n in params if len(loaded[n]) != len(self._shard_sizes(n))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing}")
