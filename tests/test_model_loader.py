@@ -337,7 +337,7 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     embedding) may raise peak RSS by at most 1.2x that: no initialisation before loading (nor
     an untied LM head's own weight), no memory-mapped checkpoint pages kept, no plain weight
     kept beside its pack, no second buffer for packing. (Building on the CPU as before: 1.42x.)
-    Quantising to int8 at load stays below one float copy of the model (1.0x): each weight is
+    Quantising to int8 at load stays below one float copy of the model (0.9x): each weight is
     quantised from its read buffer, whose float data goes as its int8 pack comes."""
     sizes = {"vocab_size": 16384, "hidden_size": 256, "intermediate_size": 1024,
              "num_hidden_layers": 6, "tie_word_embeddings": True}  # fmt: skip
@@ -346,7 +346,11 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     model.save_pretrained(tmp_path / "model")
     LlamaConfig(**TINY).save_pretrained(tmp_path / "tiny")
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # Transparent huge pages off for the process (PR_SET_THP_DISABLE): where the host's THP is
+    # "always", each allocation's first touch (malloc's header) can fault in a 2 MB page, which
+    # moved the measure by up to +0.2x from one machine to another
     script = (
+        "import ctypes; ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)\n"
         "import sys, torch\n"
         "from engine.model_loader import load_model\n"
         "from kernels import cpu_extension\n"
@@ -364,9 +368,10 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     out = subprocess.run([sys.executable, "-c", script, *paths], capture_output=True,
                          text=True, env=env, check=True)  # fmt: skip
     growth = int(out.stdout.split()[-1])
-    # int8 measured 0.69-0.76x here, and 1.11-1.17x (1.31x on a CI machine) when each weight
-    # was copied out of its read buffer before quantising: the 17 MB embedding resident twice
-    bound = 1.0 if quantization else 1.2
+    # Measured 0.97x (int8: 0.65-0.70x), the same with glibc's malloc on huge pages
+    # (GLIBC_TUNABLES=glibc.malloc.hugetlb=1). int8 copying each weight out of its read buffer
+    # before quantising (the 17 MB embedding resident twice) measured 1.06-1.07x
+    bound = 0.9 if quantization else 1.2
     assert growth <= bound * weight_bytes, (growth / 1e6, weight_bytes / 1e6)
 
 
