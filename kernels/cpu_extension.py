@@ -7,7 +7,9 @@ a minute once per machine (``make setup`` does it); later processes load the cac
 build's name carries a hash of the sources, the flags, Python and torch (its version and where it
 is installed: the compile commands name its headers, and ninja rebuilds everything when a
 command changes), so two checkouts share a build when these agree and two virtualenvs never
-rebuild over each other's.
+rebuild over each other's. The build compiles a copy of the sources kept in its own folder
+(``stage_sources``): compiled from each checkout's own path, two checkouts of the same sources
+changed the commands and rebuilt the shared build in turn.
 The build targets the SIMD level torch itself dispatches to on this CPU (ATen's
 Vectorized<float>: AVX512 or AVX2). Its OpenMP regions run in torch's own OpenMP runtime where
 the dynamic loader shares it (torch's Linux wheels bundle libgomp.so.1 under the system soname),
@@ -18,6 +20,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -68,10 +71,25 @@ def load() -> ModuleType:
         return cpp_extension.load(
             name=name,
             build_directory=str(build_dir),
-            sources=[str(_CSRC / source) for source in _SOURCES],
+            sources=stage_sources(_CSRC, build_dir, _SOURCES),
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
         )
+
+
+def stage_sources(csrc: Path, build_dir: Path, sources: tuple[str, ...]) -> list[str]:
+    """The paths of ``sources`` in ``build_dir``/src, a copy of every file in ``csrc`` (headers
+    too) that is rewritten only where its bytes differ (a copy cut short), so that its
+    modification times, which ninja compares, stay those of the first copy."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in csrc.iterdir():
+        copy = staged / path.name
+        if path.is_file() and (not copy.is_file() or copy.read_bytes() != path.read_bytes()):
+            partial = copy.with_name(copy.name + ".partial")
+            shutil.copyfile(path, partial)
+            partial.replace(copy)  # atomic: a reader never sees half a file
+    return [str(staged / source) for source in sources]
 
 
 def _cpu_flags() -> set[str]:

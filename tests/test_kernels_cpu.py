@@ -386,6 +386,29 @@ def test_build_name_follows_sources_flags_and_versions(tmp_path, monkeypatch):
     assert cpu_extension.build_name("AVX2", ["-O3"], tmp_path) != name
 
 
+def test_two_checkouts_compile_the_same_staged_sources(tmp_path):
+    """The build compiles copies in its own folder, so the compile commands (which name the
+    sources) are the same from any checkout: compiled in place, two checkouts of the same
+    sources made ninja rebuild their shared build at every switch. A copy is rewritten only
+    where it differs (so its modification time, which ninja reads, stays)."""
+    first, second, build = tmp_path / "one" / "csrc", tmp_path / "two" / "csrc", tmp_path / "b"
+    for csrc in (first, second):
+        csrc.mkdir(parents=True)
+        (csrc / "a.cpp").write_text('#include "a.h"\nint f() { return 1; }\n')
+        (csrc / "a.h").write_text("int f();\n")
+    build.mkdir()
+    paths = cpu_extension.stage_sources(first, build, ("a.cpp",))
+    assert paths == [str(build / "src" / "a.cpp")]
+    assert (build / "src" / "a.h").read_text() == "int f();\n"
+    stamp = (build / "src" / "a.cpp").stat().st_mtime_ns
+    assert cpu_extension.stage_sources(second, build, ("a.cpp",)) == paths
+    assert (build / "src" / "a.cpp").stat().st_mtime_ns == stamp
+    (build / "src" / "a.h").write_text("int f")  # a copy cut short
+    cpu_extension.stage_sources(second, build, ("a.cpp",))
+    assert (build / "src" / "a.h").read_text() == "int f();\n"
+    assert sorted(p.name for p in (build / "src").iterdir()) == ["a.cpp", "a.h"]
+
+
 def test_a_lock_left_by_a_killed_build_does_not_block_a_load(tmp_path, monkeypatch):
     """torch's build ``lock``, left behind by a build killed mid-way, is removed before torch
     would wait on it forever (the load holds our flock, so no live load is building there)."""
