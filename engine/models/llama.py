@@ -298,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
                     f"the model expects {tuple(target.shape)}"
                 )
             param = params[name]
-            if on_loaded is not None and _owns_whole(tensor, param):
+            # not under tensor parallelism: a lazy slice there may be the file's own mapped pages
+            if on_loaded is not None and self.shard.size == 1 and _owns_whole(tensor, param):
                 param.data = tensor
             else:
                 target.copy_(tensor)
