@@ -350,7 +350,7 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     # "always", each allocation's first touch (malloc's header) can fault in a 2 MB page, which
     # moved the measure by up to +0.2x from one machine to another
     script = (
-        "import ctypes; ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)\n"
+        "import ctypes; assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0\n"
         "import sys, torch\n"
         "from engine.model_loader import load_model\n"
         "from kernels import cpu_extension\n"

@@ -306,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
             loaded[name].add(shard)
             if on_loaded is not None and len(loaded[name]) == len(self._shard_sizes(name)):
                 on_loaded(param)
+            del tensor, target  # a consumed read buffer goes before the next tensor is read
         missing = [n for n in params if len(loaded[n]) != len(self._shard_sizes(n))]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing}")
