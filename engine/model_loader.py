@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import QUANTIZATIONS
 from engine.default_model import default_model_dir
 from engine.distributed.shard import NO_TP, TPShard, check_tp_shapes, kv_heads_of
 from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
+from engine.models.hf_config import read_model_config
 from engine.models.huge_pages import ALIGN, WeightArena, aligned
 from engine.models.layers import Linear, RMSNorm, packs_in_place
 from engine.models.llama import STACKED, head_dim_of
@@ -120,7 +121,7 @@ def load_model(
     if path.endswith(".gguf") and os.path.isfile(path):
         config, tokenizer, weights = _open_gguf(path, dummy)
     elif os.path.isfile(path) and path.endswith(".json") and dummy:
-        config, tokenizer, weights = AutoConfig.from_pretrained(path), None, None
+        config, tokenizer, weights = read_model_config(path), None, None
     elif os.path.isdir(path):
         config, tokenizer, weights = _open_hf_dir(path, dummy, lazy=shard.size > 1)
     else:
@@ -196,21 +197,33 @@ def load_model_config(model: str | None) -> PretrainedConfig:
     """The config of ``model`` (as ``load_model`` takes it) without reading any weight."""
     path = _resolve_path(model)
     if path.endswith(".gguf") and os.path.isfile(path):
-        folder, name = os.path.split(path)
-        return AutoConfig.from_pretrained(folder, gguf_file=name)
+        return read_model_config(*os.path.split(path))
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in model directory {path!r}")
-    return AutoConfig.from_pretrained(path)
+    return read_model_config(path)
 
 
 def _open_hf_dir(path: str, dummy: bool, lazy: bool = False) -> _Source:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in model directory {path!r}")
-    config = AutoConfig.from_pretrained(path)
-    get_model_class(config)  # unsupported architectures fail before any weight is read
+    config = read_model_config(path)  # unsupported architectures fail before any weight is read
     has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    tokenizer = _load_tokenizer(path, config) if has_tokenizer else None
     return config, tokenizer, None if dummy else iter_safetensors(safetensors_files(path), lazy)
+
+
+def _load_tokenizer(path: str, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer`` for a HF directory, handed our config where tokenizer_config.json names
+    the class: otherwise AutoTokenizer picks the class from the type of its own config, which
+    it loads through the model config modules ``read_model_config`` avoids."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+    except (OSError, ValueError):
+        tokenizer_config = {}
+    if tokenizer_config.get("tokenizer_class") and "auto_map" not in tokenizer_config:
+        return AutoTokenizer.from_pretrained(path, config=config)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -283,8 +296,7 @@ def _malloc_trim():
 def _open_gguf(path: str, dummy: bool) -> _Source:
     reader = read_gguf(path)
     folder, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    get_model_class(config)
+    config = read_model_config(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return config, tokenizer, None if dummy else iter_gguf(reader, config)
 
@@ -360,7 +372,8 @@ def _materialize(
                 empty = (
                     arena.empty(tuple(param.shape), param.dtype)
                     if id(param) in in_arena
-                    else torch.empty_like(param, device=device)
+                    # not empty_like: on a meta tensor it runs torch._refs, which imports sympy
+                    else torch.empty(param.shape, dtype=param.dtype, device=device)
                 )
                 new[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
             module.register_parameter(name, new[id(param)])

@@ -37,7 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle_format import (
     feature_layers,
     feature_layers_fit,
-    llama_config,
+    layer_model_config,
     load_head,
 )
 from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
@@ -67,7 +67,7 @@ def load_eagle_head(
             f"draft_model head reads the target's layers {list(layers)}; this model has "
             f"{target.config.num_hidden_layers} (a head may read all but the last)"
         )
-    layer_config = llama_config(config["layer_config"])
+    layer_config = layer_model_config(config["layer_config"])
     embed = target.model.model.embed_tokens
     with default_dtype(dtype), torch.device(device):
         head = EagleHead(layer_config, config["draft_vocab_size"], embed, layers)

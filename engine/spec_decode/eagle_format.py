@@ -20,7 +20,7 @@ and a chain draft feeds h_i as the next position's feature. The target's feature
   also widens attention's input to 2H; this one keeps EAGLE-1's ``fc``.
 
 ``d2t[j]`` is the target id of draft id j (strictly ascending). Dependencies: torch, safetensors,
-json (transformers only inside ``llama_config``).
+json, transformers' ``PretrainedConfig``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig
+
+from engine.models.hf_config import model_config_from_dict
 
 ARCHITECTURES = ("eagle1", "eagle3")
 WEIGHTS_FILE = "model.safetensors"
@@ -74,8 +77,14 @@ def layer_config_from_hf(config: Any) -> dict:
     }
 
 
+def layer_model_config(layer_config: dict) -> PretrainedConfig:
+    """The config of a one-layer Llama model, for building the engine's head layer."""
+    fields = {k: layer_config[k] for k in LAYER_CONFIG_FIELDS if k != "model_type"}
+    return model_config_from_dict({**fields, "model_type": "llama", "num_hidden_layers": 1})
+
+
 def llama_config(layer_config: dict):
-    """A ``transformers.LlamaConfig`` with one hidden layer, for building the head's layer."""
+    """The same as a ``transformers.LlamaConfig``, for HF's decoder layer (training, tests)."""
     from transformers import LlamaConfig
 
     fields = {k: layer_config[k] for k in LAYER_CONFIG_FIELDS if k != "model_type"}

@@ -1,0 +1,80 @@
+"""A Llama-family model's HF config, read without importing transformers' model modules.
+
+Importing any of transformers 5's model configs (``LlamaConfig``, ``Qwen2Config``, ...) imports
+``transformers.activations``, whose hub-kernels integration imports ``torch.distributed.tensor``
+and with it sympy and mpmath: 55 MiB resident and most of a second for every process that loads
+a model, none of it used here. The engine reads a fixed set of fields; this module fills them
+with the defaults and post-init rules of the four classes it supports, keeps everything else in
+the file as is, and returns a plain ``PretrainedConfig``. File resolution (config.json, a GGUF's
+metadata) and rope standardisation are transformers' own. ``tests/test_hf_config.py`` checks
+every field the engine reads against the real classes.
+"""
+
+import copy
+import os
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# The class defaults of each supported model_type, for the fields the engine reads.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+}  # fmt: skip
+_QWEN: dict[str, Any] = {
+    "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+    "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+    "max_window_layers": 28, "layer_types": None,
+}  # fmt: skip
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "intermediate_size": 11008, "max_position_embeddings": 2048, "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "mistral": {
+        "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+        "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+}  # fmt: skip
+
+
+def read_model_config(path: str, gguf_file: str | None = None) -> PretrainedConfig:
+    """The config of the HF model directory (or config.json) ``path``, or of the GGUF file
+    ``gguf_file`` in folder ``path``; ValueError for a model_type the engine does not run."""
+    raw, _ = PretrainedConfig.get_config_dict(path, gguf_file=gguf_file)
+    config = model_config_from_dict(raw)
+    config._name_or_path = os.path.dirname(path) if os.path.isfile(path) else path
+    return config
+
+
+def model_config_from_dict(raw: dict[str, Any]) -> PretrainedConfig:
+    """What ``AutoConfig.for_model(**raw)`` gives in every field the engine reads."""
+    model_type = raw.get("model_type")
+    if model_type not in _DEFAULTS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {list(_DEFAULTS)}"
+        )
+    fields = {**_COMMON, **_DEFAULTS[model_type], **copy.deepcopy(raw)}
+    rope = {key: fields.pop(key) for key in ("rope_theta", "rope_scaling") if key in fields}
+    fields.setdefault("rope_parameters", None)
+    # The classes' __post_init__ rules.
+    if fields["num_key_value_heads"] is None:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if model_type in ("llama", "mistral") and fields.get("head_dim") is None:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if model_type in ("qwen2", "qwen3"):
+        if not fields["use_sliding_window"]:
+            fields["sliding_window"] = None
+        if fields["layer_types"] is None:
+            first = fields["max_window_layers"] if fields["sliding_window"] is not None else None
+            fields["layer_types"] = [
+                "sliding_attention" if first is not None and i >= first else "full_attention"
+                for i in range(fields["num_hidden_layers"])
+            ]
+    config = PretrainedConfig.from_dict(fields)
+    config.convert_rope_params_to_dict(**rope)
+    return config

@@ -1,0 +1,116 @@
+"""engine.models.hf_config against transformers' own config classes: every field the engine
+reads, and what the engine derives from them (head dim, window, rope frequencies, EOS ids)."""
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig
+
+from engine.build import _eos_token_ids
+from engine.models import SUPPORTED_MODEL_TYPES
+from engine.models.hf_config import _DEFAULTS, model_config_from_dict, read_model_config
+from engine.models.layers import RotaryEmbedding, _rope_parameters
+from engine.models.llama import head_dim_of, sliding_window_of
+from engine.spec_decode import eagle_format
+
+FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps",
+    "max_position_embeddings", "pad_token_id",
+)  # fmt: skip
+OPTIONAL = {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+
+SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4}
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}  # fmt: skip
+CASES = [
+    {},
+    SMALL,
+    {**SMALL, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True},
+    {**SMALL, "rope_theta": 5e5, "rms_norm_eps": 1e-5, "eos_token_id": [7, 9]},  # GGUF-style
+    {**SMALL, "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}},  # transformers 5
+    {**SMALL, "rope_scaling": dict(LLAMA3_ROPE), "rope_theta": 5e5, "max_position_embeddings": 512},
+    {**SMALL, "rope_scaling": {"type": "linear", "factor": 2.0}},  # transformers 4, old key
+    {**SMALL, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 256},
+    {**SMALL, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},  # not run: same error
+    {**SMALL, "sliding_window": None},
+    {**SMALL, "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2},
+    {**SMALL, "sliding_window": 32, "use_sliding_window": False},
+    {**SMALL, "attention_bias": True, "mlp_bias": True, "pad_token_id": 0, "bos_token_id": 5},
+]
+
+
+def engine_view(config) -> dict:
+    view = {name: getattr(config, name) for name in FIELDS}
+    view |= {name: bool(getattr(config, name, default)) for name, default in OPTIONAL.items()}
+    head_dim = head_dim_of(config)
+    try:
+        rope = RotaryEmbedding(config, head_dim)
+        view |= {"inv_freq": rope.inv_freq.tolist(), "rope_scaling_factor": rope.scaling}
+    except ValueError as e:  # a rope type the engine does not run: the same error
+        view["rope_error"] = str(e)
+    view |= {
+        "head_dim": head_dim,
+        "sliding_window": sliding_window_of(config),
+        "rope": _rope_parameters(config),
+        "eos": _eos_token_ids(config, None),
+    }
+    return view
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fields_the_engine_reads_match_transformers(model_type: str, case: int) -> None:
+    raw = {"model_type": model_type, **CASES[case]}
+    ours = model_config_from_dict(raw)
+    theirs = AutoConfig.for_model(**{k: v for k, v in raw.items()})
+    assert engine_view(ours) == engine_view(theirs)
+    assert raw == {"model_type": model_type, **CASES[case]}  # the caller's dict is untouched
+
+
+def test_one_model_type_list() -> None:
+    assert tuple(_DEFAULTS) == SUPPORTED_MODEL_TYPES
+
+
+def test_unsupported_model_type_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: \["):
+        model_config_from_dict({"model_type": "gpt2"})
+
+
+def test_reads_a_saved_config_and_keeps_unknown_fields(tmp_path) -> None:
+    theirs = AutoConfig.for_model("qwen3", **SMALL, vocab_size=128, head_dim=16)
+    theirs.save_pretrained(tmp_path)
+    ours = read_model_config(str(tmp_path))
+    assert engine_view(ours) == engine_view(theirs)
+    assert ours.initializer_range == theirs.initializer_range
+    assert ours._name_or_path == str(tmp_path)
+    assert read_model_config(str(tmp_path / "config.json")).vocab_size == 128
+
+
+def test_loading_a_model_imports_no_model_config_module(tmp_path) -> None:
+    """The point of the module: building an engine pulls in neither transformers' model
+    configs nor, through them, torch.distributed.tensor and sympy (55 MiB resident)."""
+    AutoConfig.for_model("llama", **SMALL, vocab_size=128, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
+    code = (
+        "import sys; from engine.model_loader import load_model; "
+        f"load_model({str(tmp_path)!r}, load_format='dummy'); "
+        "print(sorted(m for m in sys.modules if m.startswith(('sympy', "
+        "'transformers.models.llama', 'transformers.activations'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+def test_eagle_layer_config_matches_llama_config(rope_scaling) -> None:
+    theirs = AutoConfig.for_model("llama", **SMALL, num_key_value_heads=2, intermediate_size=96)
+    layer = eagle_format.layer_config_from_hf(theirs)
+    layer["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    view = engine_view(eagle_format.layer_model_config(layer))
+    assert view == engine_view(eagle_format.llama_config(layer))
+    assert view["num_hidden_layers"] == 1
