@@ -3,6 +3,7 @@ comes from them) and judges the targets (this module owns them): ``python -m ben
 """
 
 import json
+import operator
 import os
 import string
 from pathlib import Path
@@ -23,6 +24,9 @@ EAGLE_TOKENS_PER_ROUND, EAGLE_SPEEDUP, EAGLE_SPEEDUP_SAMPLED = 2.5, 1.6, 1.4
 # saturation (all requests at once), pagedspec's output tokens/s / the peer's at least this.
 SERVING_TTFT_P99, SERVING_THROUGHPUT = 2.0, 2.0
 SERVING_PEER = "transformers"
+# Issue 17: the peak resident memory of make demo's command, float32 weights, at most (GB).
+DEMO_PEAK_GB = 0.9
+COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
     "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
@@ -335,6 +339,23 @@ def render_block_manager(p: dict) -> list[str]:
     return _section("KV block manager bookkeeping", notes, columns, rows)
 
 
+def render_memory(p: dict) -> list[str]:
+    rows = []
+    for r in p["results"]:
+        mib = [b / 2**20 for b in r["peak_rss_bytes"]]
+        runs = " / ".join(f"{m:.0f}" for m in mib)
+        wall = " / ".join(f"{s:.1f}" for s in r["wall_s"])
+        rows.append(r | {"peak": max(mib), "runs": runs, "wall": wall})
+    notes = [
+        *_machine(p),
+        "- peak RSS of each run (a child process; the kernel's maximum resident set size, as "
+        "`/usr/bin/time -v` reports it), in MiB",
+    ]
+    columns = "precision={precision} | peak MiB={peak:.0f} | each run MiB={runs} | "
+    columns += "wall s={wall} | command=`{command}`"
+    return _section("Memory: `make demo`", notes, columns, rows)
+
+
 def render_linear(p: dict) -> list[str]:
     dtypes = [
         (d, pre) for d, pre in (("float32", ""), ("bf16", "bf16_")) if f"{pre}weight_bytes" in p
@@ -468,8 +489,8 @@ def render_run_all(p: dict) -> list[str]:
 
 
 # benchmark name: its renderer, in the page's order.
-NAMES = ("throughput", "accuracy", "latency", "spec_decode", "serving", "soak", "block_manager",
-         "linear", "kernels", "run_all")  # fmt: skip
+NAMES = ("throughput", "accuracy", "latency", "spec_decode", "serving", "soak", "memory",
+         "block_manager", "linear", "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -488,7 +509,7 @@ def targets(p: dict) -> list[dict]:
             if "llamacpp" in ratios.get(b, {}):
                 name = f"throughput, batch {b}: pagedspec {q['name']} vs llama.cpp {q['gguf_type']}"
                 bound = _run_ceiling_ratio(rows[b], "llamacpp")
-                found.append((name, ratios[b]["llamacpp"], least, "x", False, bound))
+                found.append((name, ratios[b]["llamacpp"], least, "x", ">=", bound))
     grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.
@@ -517,7 +538,7 @@ def targets(p: dict) -> list[dict]:
             ("eagle: speedup vs no speculation, temperature 0.8", tps["eagle-t"] / tps["none-t"],
              EAGLE_SPEEDUP_SAMPLED),
             ("eagle: acceptance at temperature 0.8, sampled / argmax drafts", sampled, 1.0, "x",
-             True),
+             ">"),
         ]  # fmt: skip
         sweep = e["batch_sweep"]  # None: run with --eagle-batch-sizes ''
         for row in _sweep_rows(sweep["rows"], ("off", "default")) if sweep else []:
@@ -525,13 +546,17 @@ def targets(p: dict) -> list[dict]:
             found.append((name, row["ratio"], SPEC_LARGE_BATCH))
     if p["benchmark"] == "serving":
         found += _serving_targets(p["systems"])
+    if p["benchmark"] == "memory":
+        fp32 = [r for r in p["results"] if r["precision"] == "fp32"]
+        name = "make demo: peak resident memory, fp32"
+        found += [(name, max(r["peak_rss_bytes"]) / 1e9, DEMO_PEAK_GB, " GB", "<=") for r in fp32]
     out = []
-    for f in found:  # (name, value, threshold), then unit ("x"), strictly above (False) and
-        # the run ceiling over the peer (None)
-        name, value, threshold, unit, strict, bound = (*f, *("x", False, None)[len(f) - 3 :])
-        passed = value is not None and (value > threshold if strict else value >= threshold)
+    for f in found:  # (name, value, threshold), then unit ("x"), comparison (">=") and the run
+        # ceiling over the peer (None)
+        name, value, threshold, unit, op, bound = (*f, *("x", ">=", None)[len(f) - 3 :])
+        passed = value is not None and COMPARISONS[op](value, threshold)
         out.append({"name": name, "value": value, "threshold": threshold, "unit": unit,
-                    "op": ">" if strict else ">=", "passed": passed, "bound": bound})  # fmt: skip
+                    "op": op, "passed": passed, "bound": bound})  # fmt: skip
     return out
 
 

@@ -28,6 +28,7 @@ FULL = {
     "serving": "serving --rates 0.5,1,2,inf --num-prompts 32 --input-len 32:128 --output-len 32:64 "
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",
+    "memory": "memory",
     "block_manager": "block_manager",
     "linear": "linear",
     "kernels": "kernels --spans 1,5,64 --iters 10",

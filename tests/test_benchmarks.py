@@ -23,6 +23,7 @@ from benchmarks import (
     kernels,
     layer_stack,
     linear,
+    memory,
     report,
     run_all,
     spec_decode,
@@ -486,3 +487,21 @@ def test_layer_stack_benchmark_runs_both_sides(tiny_llama):
     assert result["same_tokens"]
     for side in ("stack", "python"):
         assert 0 < result[side]["cpu_min_ms"] <= result[side]["cpu_p50_ms"]
+
+
+def test_memory_benchmark_measures_each_child_and_judges_the_demo_target(tiny_llama, tmp_path):
+    argv = ["--precisions", "fp32,int8", "--repeats", "1", "--max-tokens", "2"]
+    memory.main([*argv, "--model", tiny_llama, "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "memory.json").read_text())
+    fp32, int8 = payload["results"]
+    assert "--quantization int8" in int8["command"] and "--quantization" not in fp32["command"]
+    for row in (fp32, int8):  # a child's own peak: more than torch alone, far below the host's
+        assert 150 * 2**20 < row["peak_rss_bytes"][0] < 2**31
+    (target,) = report.targets(payload)
+    assert target["passed"] == (max(fp32["peak_rss_bytes"]) / 1e9 <= report.DEMO_PEAK_GB)
+    heavy = payload | {"results": [fp32 | {"peak_rss_bytes": [int(0.91e9)]}]}
+    assert report.targets(heavy)[0]["passed"] is False
+    assert report.targets(heavy | {"results": [fp32 | {"peak_rss_bytes": [int(0.9e9)]}]})[0][
+        "passed"
+    ]
+    assert "## Memory: `make demo`" in report.render(tmp_path, tmp_path / "RESULTS.md")
