@@ -340,7 +340,7 @@ def render_block_manager(p: dict) -> list[str]:
 
 
 def render_memory(p: dict) -> list[str]:
-    rows = []
+    cfg, rows = p["config"], []
     for r in p["results"]:
         mib = [b / 2**20 for b in r["peak_rss_bytes"]]
         runs = " / ".join(f"{m:.0f}" for m in mib)
@@ -348,7 +348,9 @@ def render_memory(p: dict) -> list[str]:
         rows.append(r | {"peak": max(mib), "runs": runs, "wall": wall})
     notes = [
         *_machine(p),
-        "- peak RSS of each run (a child process; the kernel's maximum resident set size, as "
+        f"- {cfg['repeats']} runs of `make demo`'s command per precision, at most "
+        f"{cfg['max_tokens']} tokens per prompt, model: {cfg['model'] or 'the default model'}; "
+        "the peak RSS of each run (a child process; the kernel's maximum resident set size, as "
         "`/usr/bin/time -v` reports it), in MiB",
     ]
     columns = "precision={precision} | peak MiB={peak:.0f} | each run MiB={runs} | "

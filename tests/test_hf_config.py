@@ -21,7 +21,7 @@ FIELDS = (
 )  # fmt: skip
 OPTIONAL = {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
 
-SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4}
+SMALL = {"hidden_size": 256, "num_attention_heads": 32, "num_hidden_layers": 4}
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
@@ -78,6 +78,23 @@ def test_one_model_type_list() -> None:
 def test_unsupported_model_type_names_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: \["):
         model_config_from_dict({"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_size", "64", "hidden_size must be a positive integer, got '64'"),
+        ("vocab_size", 2.5, "vocab_size must be a positive integer, got 2.5"),
+        ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+        ("num_hidden_layers", True, "num_hidden_layers must be a positive integer, got True"),
+        ("head_dim", -16, "head_dim must be a positive integer, got -16"),
+        ("rms_norm_eps", -1.0, "rms_norm_eps must be a positive number, got -1.0"),
+        ("num_key_value_heads", 5, r"num_attention_heads \(32\) must be a multiple of num_key_va"),
+    ],
+)
+def test_a_shape_the_model_cannot_have_is_a_value_error(field, value, message) -> None:
+    with pytest.raises(ValueError, match=f"^config {message}"):
+        model_config_from_dict({"model_type": "llama", **SMALL, field: value})
 
 
 def test_reads_a_saved_config_and_keeps_unknown_fields(tmp_path) -> None:

@@ -40,6 +40,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": _QWEN,
     "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
 }  # fmt: skip
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings",
+)  # fmt: skip
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim")  # None: derived from the others
 
 
 def read_model_config(path: str, gguf_file: str | None = None) -> PretrainedConfig:
@@ -61,6 +66,7 @@ def model_config_from_dict(raw: dict[str, Any]) -> PretrainedConfig:
     fields = {**_COMMON, **_DEFAULTS[model_type], **copy.deepcopy(raw)}
     rope = {key: fields.pop(key) for key in ("rope_theta", "rope_scaling") if key in fields}
     fields.setdefault("rope_parameters", None)
+    _check_shapes(fields)
     # The classes' __post_init__ rules.
     if fields["num_key_value_heads"] is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
@@ -78,3 +84,24 @@ def model_config_from_dict(raw: dict[str, Any]) -> PretrainedConfig:
     config = PretrainedConfig.from_dict(fields)
     config.convert_rope_params_to_dict(**rope)
     return config
+
+
+def _check_shapes(fields: dict[str, Any]) -> None:
+    """ValueError naming the field for a shape the model cannot be built with (transformers
+    raises its own errors for some, a ZeroDivisionError or nothing for others)."""
+    for name in _POSITIVE_INTS:
+        value = fields.get(name)
+        if (value is not None or name not in _OPTIONAL_INTS) and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+    eps = fields["rms_norm_eps"]
+    if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"config rms_norm_eps must be a positive number, got {eps!r}")
+    heads = fields["num_attention_heads"]
+    kv_heads = fields["num_key_value_heads"] or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"config num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+            f"({kv_heads})"
+        )
