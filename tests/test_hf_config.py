@@ -109,7 +109,7 @@ def test_reads_a_saved_config_and_keeps_unknown_fields(tmp_path) -> None:
 
 def test_loading_a_model_imports_no_model_config_module(tmp_path) -> None:
     """The point of the module: building an engine pulls in neither transformers' model
-    configs nor, through them, torch.distributed.tensor and sympy (55 MiB resident)."""
+    configs nor, through them, torch.distributed.tensor and sympy (51 MiB resident)."""
     AutoConfig.for_model("llama", **SMALL, vocab_size=128, intermediate_size=64).save_pretrained(
         tmp_path
     )

@@ -2,7 +2,7 @@
 
 Importing any of transformers 5's model configs (``LlamaConfig``, ``Qwen2Config``, ...) imports
 ``transformers.activations``, whose hub-kernels integration imports ``torch.distributed.tensor``
-and with it sympy and mpmath: 55 MiB resident and most of a second for every process that loads
+and with it sympy and mpmath: 51 MiB resident and most of a second for every process that loads
 a model, none of it used here. The engine reads a fixed set of fields; this module fills them
 with the defaults and post-init rules of the four classes it supports, keeps everything else in
 the file as is, and returns a plain ``PretrainedConfig``. File resolution (config.json, a GGUF's
