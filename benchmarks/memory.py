@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import workload
-from benchmarks.precisions import PRECISIONS, engine_options
+from benchmarks.precisions import engine_options, get_precision
 
 ROOT = Path(__file__).resolve().parent.parent  # make demo runs here
 DEMO = ["-m", "engine.generate", "--input", "examples/prompts.jsonl", "--chat"]
@@ -26,7 +26,7 @@ DEMO += ["--temperature", "0"]
 
 def demo_command(precision: str, max_tokens: int, model: str | None) -> list[str]:
     """make demo's command line (without the interpreter) at ``precision``."""
-    options = engine_options(PRECISIONS[precision])
+    options = engine_options(get_precision(precision))
     flags = ["--max-tokens", str(max_tokens)]
     flags += ["--dtype", options["dtype"]] if options["dtype"] != "float32" else []
     flags += ["--quantization", options["quantization"]] if "quantization" in options else []
@@ -73,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for name in args.precisions.split(","):
-        if name not in PRECISIONS:
-            raise SystemExit(f"error: --precisions: {name!r} is not one of {sorted(PRECISIONS)}")
+    try:
+        for name in args.precisions.split(","):
+            get_precision(name)
+    except ValueError as exc:
+        raise SystemExit(f"error: --precisions: {exc}") from exc
     workload.save(run(args), args.output_dir, "memory")
 
 

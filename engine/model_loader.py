@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from engine.config import QUANTIZATIONS
 from engine.default_model import default_model_dir
@@ -216,11 +217,7 @@ def _load_tokenizer(path: str, config: PretrainedConfig) -> PreTrainedTokenizerB
     """``AutoTokenizer`` for a HF directory, handed our config where tokenizer_config.json names
     the class: otherwise AutoTokenizer picks the class from the type of its own config, which
     it loads through the model config modules ``read_model_config`` avoids."""
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            tokenizer_config = json.load(f)
-    except (OSError, ValueError):
-        tokenizer_config = {}
+    tokenizer_config = get_tokenizer_config(path)
     if tokenizer_config.get("tokenizer_class") and "auto_map" not in tokenizer_config:
         return AutoTokenizer.from_pretrained(path, config=config)
     return AutoTokenizer.from_pretrained(path)

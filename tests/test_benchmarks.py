@@ -495,8 +495,8 @@ def test_memory_benchmark_measures_each_child_and_judges_the_demo_target(tiny_ll
     payload = json.loads((tmp_path / "memory.json").read_text())
     fp32, int8 = payload["results"]
     assert "--quantization int8" in int8["command"] and "--quantization" not in fp32["command"]
-    for row in (fp32, int8):  # a child's own peak: more than torch alone, far below the host's
-        assert 150 * 2**20 < row["peak_rss_bytes"][0] < 2**31
+    for row in (fp32, int8):  # a child's own peak, in bytes: more than torch alone
+        assert row["peak_rss_bytes"][0] > 150 * 2**20
     (target,) = report.targets(payload)
     assert target["passed"] == (max(fp32["peak_rss_bytes"]) / 1e9 <= report.DEMO_PEAK_GB)
     heavy = payload | {"results": [fp32 | {"peak_rss_bytes": [int(0.91e9)]}]}

@@ -91,9 +91,9 @@ def _check_shapes(fields: dict[str, Any]) -> None:
     raises its own errors for some, a ZeroDivisionError or nothing for others)."""
     for name in _POSITIVE_INTS:
         value = fields.get(name)
-        if (value is not None or name not in _OPTIONAL_INTS) and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
+        if value is None and name in _OPTIONAL_INTS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"config {name} must be a positive integer, got {value!r}")
     eps = fields["rms_norm_eps"]
     if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
