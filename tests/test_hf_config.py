@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 from engine.build import _eos_token_ids
 from engine.models import SUPPORTED_MODEL_TYPES
-from engine.models.hf_config import _DEFAULTS, model_config_from_dict, read_model_config
+from engine.models.hf_config import _CLASSES, _DEFAULTS, model_config_from_dict, read_model_config
 from engine.models.layers import RotaryEmbedding, _rope_parameters
 from engine.models.llama import head_dim_of, sliding_window_of
 from engine.spec_decode import eagle_format
@@ -63,16 +63,22 @@ def engine_view(config) -> dict:
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_fields_the_engine_reads_match_transformers(model_type: str, case: int) -> None:
+def test_fields_the_engine_reads_match_transformers(model_type: str, case: int, tmp_path) -> None:
     raw = {"model_type": model_type, **CASES[case]}
     ours = model_config_from_dict(raw)
     theirs = AutoConfig.for_model(**{k: v for k, v in raw.items()})
     assert engine_view(ours) == engine_view(theirs)
     assert raw == {"model_type": model_type, **CASES[case]}  # the caller's dict is untouched
+    # saved, it reloads as the model's own class, and as itself, with the same fields
+    ours.save_pretrained(tmp_path)
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(reloaded) is type(theirs)
+    assert engine_view(reloaded) == engine_view(theirs)
+    assert engine_view(read_model_config(str(tmp_path))) == engine_view(theirs)
 
 
 def test_one_model_type_list() -> None:
-    assert tuple(_DEFAULTS) == SUPPORTED_MODEL_TYPES
+    assert tuple(_DEFAULTS) == tuple(_CLASSES) == SUPPORTED_MODEL_TYPES
 
 
 def test_unsupported_model_type_names_the_supported_ones() -> None:

@@ -4,10 +4,14 @@ Importing any of transformers 5's model configs (``LlamaConfig``, ``Qwen2Config`
 ``transformers.activations``, whose hub-kernels integration imports ``torch.distributed.tensor``
 and with it sympy and mpmath: 51 MiB resident and most of a second for every process that loads
 a model, none of it used here. The engine reads a fixed set of fields; this module fills them
-with the defaults and post-init rules of the four classes it supports, keeps everything else in
-the file as is, and returns a plain ``PretrainedConfig``. File resolution (config.json, a GGUF's
-metadata) and rope standardisation are transformers' own. ``tests/test_hf_config.py`` checks
-every field the engine reads against the real classes.
+with the defaults and post-init rules of the four classes it supports and keeps everything else
+in the file as is. File resolution (config.json, a GGUF's metadata) and rope standardisation are
+transformers' own. ``tests/test_hf_config.py`` checks every field the engine reads against the
+real classes.
+
+The config is an instance of a small ``PretrainedConfig`` subclass per model_type: ``to_dict``
+and ``save_pretrained`` write the class attribute ``model_type`` (the base class's is ""), so a
+saved config reloads with ``AutoConfig`` as the model's own class.
 """
 
 import copy
@@ -47,7 +51,30 @@ _POSITIVE_INTS = (
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim")  # None: derived from the others
 
 
-def read_model_config(path: str, gguf_file: str | None = None) -> PretrainedConfig:
+class ModelConfig(PretrainedConfig):
+    """The fields of one model_type's config file, with the engine's defaults filled in."""
+
+
+class LlamaModelConfig(ModelConfig):
+    model_type = "llama"
+
+
+class MistralModelConfig(ModelConfig):
+    model_type = "mistral"
+
+
+class Qwen2ModelConfig(ModelConfig):
+    model_type = "qwen2"
+
+
+class Qwen3ModelConfig(ModelConfig):
+    model_type = "qwen3"
+
+
+_CLASSES = {cls.model_type: cls for cls in ModelConfig.__subclasses__()}
+
+
+def read_model_config(path: str, gguf_file: str | None = None) -> ModelConfig:
     """The config of the HF model directory (or config.json) ``path``, or of the GGUF file
     ``gguf_file`` in folder ``path``; ValueError for a model_type the engine does not run."""
     raw, _ = PretrainedConfig.get_config_dict(path, gguf_file=gguf_file)
@@ -56,7 +83,7 @@ def read_model_config(path: str, gguf_file: str | None = None) -> PretrainedConf
     return config
 
 
-def model_config_from_dict(raw: dict[str, Any]) -> PretrainedConfig:
+def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     """What ``AutoConfig.for_model(**raw)`` gives in every field the engine reads."""
     model_type = raw.get("model_type")
     if model_type not in _DEFAULTS:
@@ -81,7 +108,7 @@ def model_config_from_dict(raw: dict[str, Any]) -> PretrainedConfig:
                 "sliding_attention" if first is not None and i >= first else "full_attention"
                 for i in range(fields["num_hidden_layers"])
             ]
-    config = PretrainedConfig.from_dict(fields)
+    config = _CLASSES[model_type].from_dict(fields)
     config.convert_rope_params_to_dict(**rope)
     return config
 
