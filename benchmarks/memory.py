@@ -4,6 +4,11 @@ Each run is a child process (``python -m engine.generate`` on examples/prompts.j
 template, 128 greedy tokens), its peak RSS read from the kernel's accounting of that child
 (``os.wait4``: the same number as ``/usr/bin/time -v``'s "Maximum resident set size"). Issue
 17's target is the float32 run: at most 0.9 GB.
+
+That accounting takes the largest of the child and every process it waited for, so a run that
+builds the C++ extension (g++ took GBs) would report the compiler's peak. Each command runs once
+unmeasured first: the measured runs find the extension built and the default model converted,
+as every ``make demo`` after the first does.
 """
 
 import argparse
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for precision in args.precisions.split(","):
         command = demo_command(precision, args.max_tokens, args.model)
+        peak_rss(command)  # unmeasured: builds what a first run builds (module docstring)
         runs = [peak_rss(command) for _ in range(args.repeats)]
         rows.append({
             "precision": precision, "command": shlex.join(["python", *command]),

@@ -348,7 +348,8 @@ def render_memory(p: dict) -> list[str]:
         rows.append(r | {"peak": max(mib), "runs": runs, "wall": wall})
     notes = [
         *_machine(p),
-        f"- {cfg['repeats']} runs of `make demo`'s command per precision, at most "
+        f"- {cfg['repeats']} runs of `make demo`'s command per precision, after one unmeasured "
+        "run (the kernel's peak covers the child's own children, a first build's g++ too), at most "
         f"{cfg['max_tokens']} tokens per prompt, model: {cfg['model'] or 'the default model'}; "
         "the peak RSS of each run (a child process; the kernel's maximum resident set size, as "
         "`/usr/bin/time -v` reports it), in MiB",
