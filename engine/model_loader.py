@@ -18,7 +18,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-from transformers.models.auto.tokenization_auto import get_tokenizer_config
+from transformers.models.auto.tokenization_auto import (
+    TOKENIZER_MAPPING_NAMES,
+    get_tokenizer_config,
+    tokenizer_class_from_name,
+)
 
 from engine.config import QUANTIZATIONS
 from engine.default_model import default_model_dir
@@ -294,8 +298,24 @@ def _open_gguf(path: str, dummy: bool) -> _Source:
     reader = read_gguf(path)
     folder, name = os.path.split(path)
     config = read_model_config(folder, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = _load_gguf_tokenizer(folder, name, config)
     return config, tokenizer, None if dummy else iter_gguf(reader, config)
+
+
+def _load_gguf_tokenizer(
+    folder: str, name: str, config: PretrainedConfig
+) -> PreTrainedTokenizerBase:
+    """What ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` returns, without the model
+    config it first builds from the file (``AutoConfig.for_model``: the imports
+    ``read_model_config`` avoids). Where neither a tokenizer_config.json beside the file nor the
+    file's config names a tokenizer class, AutoTokenizer takes the one registered for the
+    model_type, TokenizersBackend where none is; anything else is left to AutoTokenizer, as is
+    Mistral's own backend (it depends on files beside the GGUF)."""
+    class_name = TOKENIZER_MAPPING_NAMES.get(config.model_type) or "TokenizersBackend"
+    declared = get_tokenizer_config(folder) or getattr(config, "tokenizer_class", None)
+    if declared or class_name == "MistralCommonBackend":
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return tokenizer_class_from_name(class_name).from_pretrained(folder, gguf_file=name)
 
 
 def _dummy_weights(

@@ -12,11 +12,11 @@ import pytest
 import torch
 from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import engine.default_model
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, model_loader
 from engine.default_model import convert_gguf
 from engine.gguf_loader import iter_gguf
 from engine.model_loader import iter_safetensors, load_model, resolve_dtype
@@ -150,6 +150,46 @@ def test_f32_gguf_loads_the_same_weights_as_the_hf_checkpoint(case, tmp_path):
     assert from_gguf.config.model_type == arch
     assert from_gguf.tokenizer("abc").input_ids == [257 - 1, ord("c")]
     assert_same_weights(from_gguf.model, load_cpu(tmp_path / "hf").model)
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf_tokenizer_is_the_one_autotokenizer_loads(case, tmp_path):
+    config_cls, extra = GGUF_CASES[case]
+    hf = random_hf_model(config_cls(**TINY, **extra), seed=1)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), hf.config.model_type)
+    ours = load_model(str(tmp_path / "tiny.gguf"), load_format="dummy").tokenizer
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    assert type(ours) is type(theirs)
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    text = "ab abc, b\u00e9a!\n"
+    assert ours(text).input_ids == theirs(text).input_ids
+
+
+def test_gguf_tokenizer_declared_beside_the_file_is_left_to_autotokenizer(tmp_path, monkeypatch):
+    hf = random_hf_model(LlamaConfig(**TINY), seed=1)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "X"}))
+    calls = []
+    monkeypatch.setattr(
+        model_loader.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append((a, k))
+    )
+    load_model(str(tmp_path / "tiny.gguf"), load_format="dummy")
+    assert calls == [((str(tmp_path),), {"gguf_file": "tiny.gguf"})]
+
+
+def test_loading_a_gguf_imports_no_model_config_module(tmp_path) -> None:
+    """AutoTokenizer builds a GGUF's model config (LlamaConfig, and through it sympy) first."""
+    hf = random_hf_model(LlamaConfig(**TINY), seed=1)
+    write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
+    code = (
+        "import sys; from engine.model_loader import load_model; "
+        f"assert load_model({str(tmp_path / 'tiny.gguf')!r}).tokenizer is not None; "
+        "print(sorted(m for m in sys.modules if m.startswith(('sympy', "
+        "'transformers.models.llama.configuration', 'transformers.activations'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
