@@ -30,6 +30,10 @@ class LLM:
     def tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer, vLLM's accessor (None for a model with no tokenizer files)."""
+        return self.llm_engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Iterable[Prompt],

@@ -44,6 +44,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 def test_prompt_dicts_generate_like_the_plain_forms(llm):
+    assert llm.get_tokenizer() is llm.tokenizer is llm.llm_engine.tokenizer is not None
     ids = llm.tokenizer.encode(TEXT)
     outs = llm.generate(
         [{"prompt": TEXT}, {"prompt_token_ids": ids}, TEXT, ids], GREEDY, use_tqdm=False
