@@ -16,6 +16,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,13 +40,22 @@ def demo_command(precision: str, max_tokens: int, model: str | None) -> list[str
 
 
 def peak_rss(command: list[str]) -> tuple[int, float]:
-    """(peak resident bytes, wall seconds) of ``python command...`` run to completion."""
+    """(peak resident bytes, wall seconds) of ``python command...`` run to completion. Its
+    output (a progress bar a token) is kept out of the benchmark's; a failed run's stderr is in
+    the error."""
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, cwd=ROOT)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} exited with status {child.returncode}")
+    with tempfile.TemporaryFile() as stderr:
+        child = subprocess.Popen(
+            [sys.executable, *command], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT
+        )
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"{shlex.join(command)} exited with status {child.returncode}:\n{tail}"
+            )
     return usage.ru_maxrss * 1024, time.perf_counter() - start  # Linux counts KiB
 
 

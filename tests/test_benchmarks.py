@@ -506,6 +506,11 @@ def test_memory_benchmark_leaves_out_each_commands_first_run(monkeypatch, tmp_pa
     assert [row["peak_rss_bytes"] for row in result["results"]] == [[500 * 2**20] * 2] * 2
 
 
+def test_memory_benchmark_reports_a_failed_childs_stderr():
+    with pytest.raises(RuntimeError, match=r"exited with status 1:\n.*no such model"):
+        memory.peak_rss(["-c", "import sys; sys.exit('no such model')"])
+
+
 def test_memory_benchmark_measures_each_child_and_judges_the_demo_target(tiny_llama, tmp_path):
     argv = ["--precisions", "fp32,int8", "--repeats", "1", "--max-tokens", "2"]
     memory.main([*argv, "--model", tiny_llama, "--output-dir", str(tmp_path)])
