@@ -1,10 +1,8 @@
 """engine.models.hf_config against transformers' own config classes: every field the engine
 reads, and what the engine derives from them (head dim, window, rope frequencies, EOS ids)."""
 
-import subprocess
-import sys
-
 import pytest
+from loading_imports import CONFIG_CHAIN, imported_after_loading
 from transformers import AutoConfig
 
 from engine.build import _eos_token_ids
@@ -117,14 +115,7 @@ def test_loading_a_model_imports_no_model_config_module(tiny_llama) -> None:
     """The point of the module: loading a model and its tokenizer pulls in neither
     transformers' model configs nor, through them, torch.distributed.tensor and sympy (51 MiB
     resident)."""
-    code = (
-        "import sys; from engine.model_loader import load_model; "
-        f"assert load_model({tiny_llama!r}).tokenizer is not None; "
-        "print(sorted(m for m in sys.modules if m.startswith(('sympy', "
-        "'transformers.models.llama', 'transformers.activations'))))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert imported_after_loading(tiny_llama, (*CONFIG_CHAIN, "transformers.models.llama")) == []
 
 
 @pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE], ids=["default", "llama3"])

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from loading_imports import CONFIG_CHAIN, imported_after_loading
 from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
@@ -182,14 +183,7 @@ def test_loading_a_gguf_imports_no_model_config_module(tmp_path) -> None:
     """AutoTokenizer builds a GGUF's model config (LlamaConfig, and through it sympy) first."""
     hf = random_hf_model(LlamaConfig(**TINY), seed=1)
     write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
-    code = (
-        "import sys; from engine.model_loader import load_model; "
-        f"assert load_model({str(tmp_path / 'tiny.gguf')!r}).tokenizer is not None; "
-        "print(sorted(m for m in sys.modules if m.startswith(('sympy', "
-        "'transformers.models.llama.configuration', 'transformers.activations'))))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert imported_after_loading(str(tmp_path / "tiny.gguf"), CONFIG_CHAIN) == []
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
