@@ -32,7 +32,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The model's tokenizer, vLLM's accessor (None for a model with no tokenizer files)."""
-        return self.llm_engine.tokenizer
+        return self.tokenizer
 
     def generate(
         self,

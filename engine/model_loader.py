@@ -307,13 +307,12 @@ def _load_gguf_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """What ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` returns, without the model
     config it first builds from the file (``AutoConfig.for_model``: the imports
-    ``read_model_config`` avoids). Where neither a tokenizer_config.json beside the file nor the
-    file's config names a tokenizer class, AutoTokenizer takes the one registered for the
+    ``read_model_config`` avoids). Where no tokenizer_config.json lies beside the file (a GGUF's
+    metadata names no tokenizer class), AutoTokenizer takes the one registered for the
     model_type, TokenizersBackend where none is; anything else is left to AutoTokenizer, as is
     Mistral's own backend (it depends on files beside the GGUF)."""
     class_name = TOKENIZER_MAPPING_NAMES.get(config.model_type) or "TokenizersBackend"
-    declared = get_tokenizer_config(folder) or getattr(config, "tokenizer_class", None)
-    if declared or class_name == "MistralCommonBackend":
+    if get_tokenizer_config(folder) or class_name == "MistralCommonBackend":
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return tokenizer_class_from_name(class_name).from_pretrained(folder, gguf_file=name)
 
