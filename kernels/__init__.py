@@ -92,21 +92,24 @@ def plan_paged_attention(
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     backend: Backend = "auto",
+    tree_mask: torch.Tensor | None = None,
 ) -> reference.AttentionPlan | cpu_attention.AttentionPlan | None:
     """Per-step work that every layer's paged_attention call would repeat (the torch backend's
     gather plan, the cpu backend's checks and index conversion); None for backends that need
-    none. Pass the result as ``plan=``: it also fixes the backend."""
+    none. Pass the result as ``plan=``: it also fixes the backend and holds ``tree_mask``."""
     chosen = _resolve(backend, query)
     if chosen == "cpu":
         return cpu_attention.plan_paged_attention(
-            query, k_cache, block_tables, cu_query_lens, seq_lens
+            query, k_cache, block_tables, cu_query_lens, seq_lens, tree_mask
         )
     if chosen != "torch":
         return None
     check_paged_attention_args(
-        query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None
+        query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None, tree_mask
     )
-    return reference.plan_paged_attention(query, k_cache, block_tables, cu_query_lens, seq_lens)
+    return reference.plan_paged_attention(
+        query, k_cache, block_tables, cu_query_lens, seq_lens, tree_mask
+    )
 
 
 def paged_attention(
@@ -120,6 +123,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
     plan: reference.AttentionPlan | cpu_attention.AttentionPlan | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query spans [T, Hq, D] over paged K/V; returns out [T, Hq, D].
 
@@ -127,19 +131,27 @@ def paged_attention(
     seq_lens[i] tokens already in the cache; its token j sits at seq_lens[i] - q_len_i + j and
     attends to positions 0..that position. block_tables [S, M] rows may be padded with any valid
     block id past ceil(seq_lens[i] / block_size) entries.
+
+    ``tree_mask`` (int64 [T], None: causal) makes spans token trees (speculative decoding's draft
+    trees): where bit j of a token's entry is clear, that token does not see token j of its own
+    span (j < 64; tokens before the span and from its 64th on are seen as causality allows). A
+    token must see the span's first token and itself. With a ``plan`` the plan's mask applies.
+    The xformers backend has no tree masks.
     """
     args = (query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out)
     if isinstance(plan, cpu_attention.AttentionPlan):
         return cpu_attention.paged_attention(*args, plan=plan)
     chosen = _resolve(backend, query)
     if chosen == "torch":
-        return reference.paged_attention(*args, plan=plan)
+        return reference.paged_attention(*args, plan=plan, tree_mask=tree_mask)
     if chosen == "cpu":
-        return cpu_attention.paged_attention(*args)
+        return cpu_attention.paged_attention(*args, tree_mask=tree_mask)
     if chosen == "triton":
         from kernels.triton_attention import paged_attention as triton_attention
 
-        return triton_attention(*args)
+        return triton_attention(*args, tree_mask=tree_mask)
+    if tree_mask is not None:
+        raise ValueError("backend 'xformers' has no tree masks: use 'triton' for draft trees")
     from kernels.xformers_backend import paged_attention as xformers_attention
 
     return xformers_attention(*args)

@@ -114,6 +114,7 @@ def check_paged_attention_args(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     _check_cache_pair(k_cache, v_cache)
     _, _, num_kv_heads, head_dim = k_cache.shape
@@ -168,3 +169,13 @@ def check_paged_attention_args(
             ),
         )
         _need(out.stride(-1) == 1, lambda: "out head_dim must be contiguous (stride 1)")
+    if tree_mask is not None:
+        _need(
+            tree_mask.dtype == torch.int64
+            and tuple(tree_mask.shape) == (query.shape[0],)
+            and tree_mask.device == device,
+            lambda: (
+                f"tree_mask must be int64 [num_tokens={query.shape[0]}] on {device}, "
+                f"got {tree_mask.dtype} {tuple(tree_mask.shape)} on {tree_mask.device}"
+            ),
+        )

@@ -32,6 +32,7 @@ class AttentionPlan:
     block_tables: torch.Tensor
     cu_query_lens: torch.Tensor
     seq_lens: torch.Tensor
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,15 @@ def plan_paged_attention(
     block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """The plan for every layer's call on this step's spans (caches shaped like ``k_cache``)."""
     check_paged_attention_args(
-        query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None
+        query, k_cache, k_cache, block_tables, cu_query_lens, seq_lens, 1.0, None, tree_mask
     )
     _check_device(query)
-    return AttentionPlan(*(t.long().contiguous() for t in (block_tables, cu_query_lens, seq_lens)))
+    tables = (t.long().contiguous() for t in (block_tables, cu_query_lens, seq_lens))
+    return AttentionPlan(*tables, None if tree_mask is None else tree_mask.contiguous())
 
 
 def plan_write_kv_cache(slot_mapping: torch.Tensor) -> WritePlan:
@@ -72,20 +75,23 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels.paged_attention on CPU tensors of a dtype in DTYPES; same contract. With a
     ``plan`` (from plan_paged_attention on the same metadata) the metadata are the plan's."""
     if plan is None:
         check_paged_attention_args(
-            query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
+            query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, tree_mask
         )
         _check_device(query)
-        plan = AttentionPlan(block_tables, cu_query_lens, seq_lens)
+        mask = None if tree_mask is None else tree_mask.contiguous()
+        plan = AttentionPlan(block_tables, cu_query_lens, seq_lens, mask)
     if out is None:
         out = torch.empty_like(query)
     cpu_extension.load().paged_attention(
-        query, k_cache, v_cache, plan.block_tables, plan.cu_query_lens, plan.seq_lens, scale, out
-    )
+        query, k_cache, v_cache, plan.block_tables, plan.cu_query_lens, plan.seq_lens, scale, out,
+        plan.tree_mask,
+    )  # fmt: skip
     return out
 
 

@@ -16,12 +16,29 @@ the gather, the rest SDPA. Chunks of 4 MiB beat 1-2 MiB (more per-chunk overhead
 (page faults, cache misses) in that measurement.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.checks import check_paged_attention_args, check_write_kv_cache_args
+
+MAX_TREE_TOKENS = 64  # a tree_mask entry has one bit per span token
+
+
+def tree_mask_of(parents: Sequence[int]) -> list[int]:
+    """paged_attention's tree_mask entries (int64 values) for a span whose token j has parent
+    token ``parents[j]`` (< j; -1 for the first token only): each token sees its ancestors and
+    itself."""
+    if len(parents) > MAX_TREE_TOKENS:
+        raise ValueError(f"a tree span holds at most {MAX_TREE_TOKENS} tokens, got {len(parents)}")
+    bits: list[int] = []
+    for j, parent in enumerate(parents):
+        if (parent < 0) != (j == 0) or parent >= j:
+            raise ValueError(f"parents[{j}] must be in [0, {j}) (-1 for token 0), got {parent}")
+        bits.append((bits[parent] if parent >= 0 else 0) | 1 << j)
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
 
 @dataclass(frozen=True)
@@ -149,8 +166,10 @@ def plan_paged_attention(
     block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
-    """Validate the spans and build the gather plan for caches shaped like ``k_cache``."""
+    """Validate the spans and build the gather plan for caches shaped like ``k_cache``
+    (``tree_mask``: paged_attention's)."""
     num_tokens, num_heads = query.shape[:2]
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -198,6 +217,7 @@ def plan_paged_attention(
                 kv_pos[: chunk_blocks * block_size],
                 max_q,
                 group,
+                tree_mask,
             )  # fmt: skip
         )
     return AttentionPlan(chunks, num_tokens, group)
@@ -211,6 +231,7 @@ def _plan_chunk(
     kv_pos: torch.Tensor,
     max_q: int,
     group: int,
+    tree_mask: torch.Tensor | None,
 ) -> _Chunk:
     """blocks [c, nb] (padding entries already 0), context lengths kv, span lengths ql (all >= 1),
     first tokens starts [c]; kv_pos = arange(nb * B)."""
@@ -227,7 +248,13 @@ def _plan_chunk(
     tok = (starts[:, None] + q_idx).masked_fill(~q_valid, 0)
     # Token j sits at kv_len - q_len + j and sees keys up to there; padding rows see every key.
     q_pos = torch.minimum(kv[:, None] - ql[:, None] + q_idx, kv[:, None] - 1)
-    mask = kv_pos <= q_pos.repeat_interleave(group, dim=1)[:, :, None]  # [c, max_q * G, L]
+    mask = kv_pos <= q_pos[:, :, None]  # [c, max_q, L]
+    if tree_mask is not None:  # bit j clear: token j of the span is hidden (j < 64)
+        rel = kv_pos - (kv - ql)[:, None]  # [c, L]: key position within the span
+        in_tree = ((rel >= 0) & (rel < 64))[:, None, :]
+        bits = tree_mask[tok][:, :, None] >> rel.clamp(0, 63)[:, None, :]
+        mask &= ~in_tree | (bits & 1).bool()
+    mask = mask.repeat_interleave(group, dim=1)  # [c, max_q * G, L]
     return _Chunk(blocks.reshape(-1), stale, starts, mask[:, None], tok, q_valid, max_q)
 
 
@@ -241,18 +268,22 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query span over its sequence's paged K/V; returns out [T, Hq, D].
 
     Span i (query[cu_query_lens[i]:cu_query_lens[i+1]]) holds the last q_len_i of the seq_lens[i]
     tokens whose K/V are in the cache; its token j sits at seq_lens[i] - q_len_i + j.
-    ``plan``: from ``plan_paged_attention`` on the same metadata (built here when None).
+    ``plan``: from ``plan_paged_attention`` on the same metadata and ``tree_mask`` (built here
+    when None). ``tree_mask``: see kernels.paged_attention.
     """
     if plan is None:
         check_paged_attention_args(
-            query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
+            query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, tree_mask
         )
-        plan = plan_paged_attention(query, k_cache, block_tables, cu_query_lens, seq_lens)
+        plan = plan_paged_attention(
+            query, k_cache, block_tables, cu_query_lens, seq_lens, tree_mask
+        )
     elif query.shape[0] != plan.num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, query has {query.shape[0]}")
     if out is None:

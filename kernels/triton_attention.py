@@ -64,6 +64,7 @@ def _attention_kernel(
     block_tables_ptr,
     cu_query_lens_ptr,
     seq_lens_ptr,
+    tree_mask_ptr,
     scale,
     num_seqs,
     num_tokens,
@@ -90,6 +91,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_kernel
     DOT_PRECISION: tl.constexpr,
+    TREE: tl.constexpr,  # tree_mask_ptr holds paged_attention's tree_mask
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,6 +128,8 @@ def _attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if TREE:  # bit j clear: span token j (j < 64) is hidden from the row
+        tree_bits = tl.load(tree_mask_ptr + tok_abs, mask=row_ok, other=-1)
 
     # Causal limit of the tile's last row (exclusive); this split's share of [0, kv_end).
     kv_end = context + tl.minimum(tile_q0 + BLOCK_Q, q_len)
@@ -151,7 +155,13 @@ def _attention_kernel(
             other=0.0,
         )
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
+        seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if TREE:
+            rel = (pos - context).to(tl.int64)
+            shift = tl.minimum(tl.maximum(rel, 0), 63)
+            on_tree = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
+            seen = seen & (on_tree | (rel[None, :] < 0) | (rel[None, :] >= 64))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX_COMBINE))
         # A row with no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -369,15 +379,17 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query spans [T, Hq, D] over paged K/V; returns out [T, Hq, D].
 
-    Semantics as kernels.paged_attention. num_splits forces the split-KV path (> 1) or the
-    single-pass path (1); None chooses by _auto_num_splits. Span values (cu_query_lens,
-    seq_lens, table entries) are not validated: that would need a host sync.
+    Semantics as kernels.paged_attention (tree_mask too). num_splits forces the split-KV path
+    (> 1) or the single-pass path (1); None chooses by _auto_num_splits. Span values
+    (cu_query_lens, seq_lens, table entries) are not validated: that would need a host sync.
+    The warm-up compiles no tree variant: the first tree step compiles its own.
     """
     check_paged_attention_args(
-        query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out
+        query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, tree_mask
     )
     check_device(_attention_kernel, query.device)
     if query.dtype not in _DTYPES:
@@ -406,7 +418,9 @@ def paged_attention(
     plan = plan_launch(
         num_tokens, num_seqs, group, num_kv_heads, max_context, query.device, num_splits, limit
     )
-    launch(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, plan)
+    launch(
+        query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out, plan, tree_mask
+    )
     return out
 
 
@@ -420,6 +434,7 @@ def launch(
     scale: float,
     out: torch.Tensor,
     plan: LaunchPlan,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     """Launches the kernels for a checked, non-empty problem under `plan` (the warm-up forces
     plans this way to compile every variant)."""
@@ -449,6 +464,7 @@ def launch(
         block_tables,
         cu_query_lens,
         seq_lens,
+        seq_lens if tree_mask is None else tree_mask.contiguous(),  # unread without TREE
         scale,
         num_seqs,
         num_tokens,
@@ -470,6 +486,7 @@ def launch(
         BLOCK_SIZE=block_size,
         SPLIT_KV=num_splits > 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        TREE=tree_mask is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -81,7 +81,7 @@ class LayerStack:
         ):
             return None
         args = (write.slot_mapping, plan.block_tables, plan.cu_query_lens, plan.seq_lens)
-        out = stack.forward(h, cos, sin, kv_caches, *args, list(capture))
+        out = stack.forward(h, cos, sin, kv_caches, *args, list(capture), plan.tree_mask)
         # [] only if a pack went stale since _current (nothing ran): the Python loop, this once
         return out or None
 

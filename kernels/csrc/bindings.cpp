@@ -4,7 +4,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python objects: release the GIL so that other Python threads run.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention", &paged_attention, "Paged causal attention over packed query spans",
-        no_gil);
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("cu_query_lens"), py::arg("seq_lens"), py::arg("scale"), py::arg("out"),
+        py::arg("tree_mask") = py::none(), no_gil);
   m.def("write_kv_cache", &write_kv_cache, "Scatter key/value into the paged caches", no_gil);
   m.def("pack_linear_weight", &pack_linear_weight, "Pack a float32 [N, K] weight for linear",
         no_gil);
@@ -73,5 +75,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "[] for a stale pack",
            py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("cu_query_lens"),
-           py::arg("seq_lens"), py::arg("capture") = std::vector<int64_t>{}, no_gil);
+           py::arg("seq_lens"), py::arg("capture") = std::vector<int64_t>{},
+           py::arg("tree_mask") = py::none(), no_gil);
 }

@@ -87,7 +87,8 @@ void by_row_count(int64_t M, const Run& run) {
 // kernels.paged_attention's contract (see kernels/__init__.py); writes out in place.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out);
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                     const c10::optional<at::Tensor>& tree_mask = c10::nullopt);
 
 // weight * x / sqrt(mean(x^2) + eps) over the last dim, float32 or bf16 (HF's LlamaRMSNorm;
 // the layer ops below take either dtype, one for all their tensors).
@@ -226,11 +227,13 @@ class DecoderStack {
   // attention metadata as cpu_attention's plans hold them. Empty when a pack is stale (nothing
   // has run then: the caller rebuilds the stack or takes the Python path). Then, for each
   // layer index in `capture` (ascending), the hidden state after that layer (h + residual).
+  // tree_mask: paged_attention's.
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                   const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
-                                  const std::vector<int64_t>& capture) const;
+                                  const std::vector<int64_t>& capture,
+                                  const c10::optional<at::Tensor>& tree_mask) const;
 
  private:
   std::vector<StackLayer> layers_;

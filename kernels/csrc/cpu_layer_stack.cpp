@@ -105,7 +105,7 @@ std::vector<at::Tensor> DecoderStack::forward(
     const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& cu_query_lens, const at::Tensor& seq_lens,
-    const std::vector<int64_t>& capture) const {
+    const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& tree_mask) const {
   TORCH_CHECK_VALUE(kv_caches.size() == layers_.size(), "kv_caches must hold ", layers_.size(),
                     " (k, v) pairs, got ", kv_caches.size());
   TORCH_CHECK_VALUE(h.dim() == 2, "h must be [T, hidden], got ", h.sizes());
@@ -145,7 +145,8 @@ std::vector<at::Tensor> DecoderStack::forward(
     at::Tensor k_cache = std::get<0>(kv_caches[i]), v_cache = std::get<1>(kv_caches[i]);
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
     at::Tensor out = at::empty_like(q);
-    paged_attention(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale_, out);
+    paged_attention(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale_, out,
+                    tree_mask);
     h = layer.o_proj(out.reshape({tokens, q_size}));
     add_norm(h, residual, layer.post_norm, layer.post_eps);
     // LlamaMLP: down_proj(swiglu(gate_up_proj, h)).

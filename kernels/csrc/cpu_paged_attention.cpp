@@ -52,6 +52,7 @@ struct WorkItem {
   int64_t first_token;  // row of query/out
   int64_t num_tokens;
   int64_t first_pos;  // position of first_token in its sequence
+  int64_t span_start;  // position of its span's first token (where a tree mask starts)
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -248,6 +249,7 @@ struct Problem {
   const C* v_cache;
   T* out;
   const int64_t* block_tables;
+  const int64_t* tree_mask;  // [T] or nullptr (causal): see hide_off_tree
   int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], table_stride;
   int64_t group, num_kv_heads, head_dim, block_size;
   float scale;
@@ -338,6 +340,17 @@ inline float softmax_update(float* score, int64_t len, float& m, float& l) {
   return alpha;
 }
 
+// A tree span (kernels.paged_attention's tree_mask): bit j of `bits` clear hides token j of the
+// span (j < 64) from this row. score holds the row's scores for positions base.. base + seen - 1.
+inline void hide_off_tree(int64_t bits, int64_t span_start, int64_t base, int64_t seen,
+                          float* score) {
+  const int64_t first = std::max<int64_t>(0, span_start - base);
+  const int64_t last = std::min<int64_t>(seen, span_start + 64 - base);
+  for (int64_t j = first; j < last; ++j) {
+    if (!((static_cast<uint64_t>(bits) >> (base + j - span_start)) & 1u)) score[j] = kNegInf;
+  }
+}
+
 // The item's rows over its context, cut into partitions of kPartition positions. Per partition,
 // pass 1 takes every block's scores (16 positions' dot products at a time), each row's softmax
 // is updated once over the whole partition, and pass 2 adds weights . V block by block for the
@@ -375,6 +388,9 @@ void walk_partitions(const ItemCache<T, C>& c, Scratch<C>& s) {
             float* score = s.scores.data() + r * width + (b - part) * B;
             block_scores(s.q.data() + r * D, s.k_rows.data() + h * B, seen, D, score);
             std::fill(score + seen, score + B, kNegInf);
+            if (p.tree_mask != nullptr) {
+              hide_off_tree(p.tree_mask[w.first_token + t], w.span_start, base, seen, score);
+            }
           }
         }
       }
@@ -484,12 +500,12 @@ std::vector<WorkItem> plan_items(const at::Tensor& cu_query_lens, const at::Tens
     const int64_t ctx = kv[i] - q_len;
     if (q_len == 0) continue;
     if (many_spans && q_len * num_kv_heads * group <= kWholeHeadsMaxRows) {
-      items.push_back({i, 0, num_kv_heads, cu[i], q_len, ctx});
+      items.push_back({i, 0, num_kv_heads, cu[i], q_len, ctx, ctx});
       continue;
     }
     for (int64_t t = 0; t < q_len; t += step) {
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        items.push_back({i, h, 1, cu[i] + t, std::min(step, q_len - t), ctx + t});
+        items.push_back({i, h, 1, cu[i] + t, std::min(step, q_len - t), ctx + t, ctx});
       }
     }
   }
@@ -520,13 +536,14 @@ void run(const Problem<T, C>& p, const std::vector<WorkItem>& items) {
 
 template <typename T, typename C = T>
 void run_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-               const at::Tensor& tables, at::Tensor& out, double scale,
-               const std::vector<WorkItem>& items) {
+               const at::Tensor& tables, const int64_t* tree_mask, at::Tensor& out,
+               double scale, const std::vector<WorkItem>& items) {
   const Problem<T, C> p{query.data_ptr<T>(),
                         k_cache.data_ptr<C>(),
                         v_cache.data_ptr<C>(),
                         out.data_ptr<T>(),
                         tables.data_ptr<int64_t>(),
+                        tree_mask,
                         {query.stride(0), query.stride(1)},
                         {out.stride(0), out.stride(1)},
                         {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
@@ -636,8 +653,17 @@ void copy_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                     const c10::optional<at::Tensor>& tree_mask) {
   check_attention_args(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, out);
+  if (tree_mask.has_value()) {
+    TORCH_CHECK_VALUE(tree_mask->device().is_cpu() && tree_mask->scalar_type() == at::kLong &&
+                          tree_mask->dim() == 1 && tree_mask->size(0) == query.size(0) &&
+                          tree_mask->is_contiguous(),
+                      "tree_mask must be a contiguous int64 CPU tensor [num_tokens=",
+                      query.size(0), "], got ", tree_mask->scalar_type(), " ", tree_mask->sizes());
+  }
+  const int64_t* mask = tree_mask.has_value() ? tree_mask->data_ptr<int64_t>() : nullptr;
   const auto tables = block_tables.to(at::kLong).contiguous();
   const int64_t num_heads = query.size(1), num_kv_heads = k_cache.size(2);
   const auto items = plan_items(cu_query_lens.to(at::kLong), seq_lens.to(at::kLong), tables,
@@ -646,16 +672,17 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   switch (query.scalar_type()) {
     case at::kFloat:
       if (k_cache.scalar_type() == at::kBFloat16) {
-        return run_typed<float, at::BFloat16>(query, k_cache, v_cache, tables, out, scale, items);
+        return run_typed<float, at::BFloat16>(query, k_cache, v_cache, tables, mask, out, scale,
+                                              items);
       }
       if (k_cache.scalar_type() == at::kHalf) {
-        return run_typed<float, at::Half>(query, k_cache, v_cache, tables, out, scale, items);
+        return run_typed<float, at::Half>(query, k_cache, v_cache, tables, mask, out, scale, items);
       }
-      return run_typed<float>(query, k_cache, v_cache, tables, out, scale, items);
+      return run_typed<float>(query, k_cache, v_cache, tables, mask, out, scale, items);
     case at::kBFloat16:
-      return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, out, scale, items);
+      return run_typed<at::BFloat16>(query, k_cache, v_cache, tables, mask, out, scale, items);
     case at::kHalf:
-      return run_typed<at::Half>(query, k_cache, v_cache, tables, out, scale, items);
+      return run_typed<at::Half>(query, k_cache, v_cache, tables, mask, out, scale, items);
     default:
       TORCH_CHECK_VALUE(false, "the cpu backend supports float32, bfloat16 and float16, got ",
                         query.scalar_type());
