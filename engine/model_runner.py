@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
+from kernels.reference import tree_mask_of
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -25,12 +26,26 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Span:
     """``token_ids`` sit at positions ``start..start+len-1`` of a sequence whose KV blocks are
-    ``block_table``; the logits of the last ``num_logits`` of them are returned."""
+    ``block_table``; the logits of the last ``num_logits`` of them are returned.
+
+    With ``parents`` the span is a token tree (a draft tree): token j follows token
+    ``parents[j]`` (< j; -1 for token 0), sees only its ancestors and itself among the span's
+    tokens, and takes position ``start + depth``; its K/V still go to slot ``start + j``.
+    """
 
     token_ids: Sequence[int]
     start: int
     num_logits: int
     block_table: Sequence[int]
+    parents: Sequence[int] | None = None
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each token's depth in a tree given as Span.parents (token 0: depth 0)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return depths
 
 
 class ModelRunner:
@@ -107,6 +122,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         cu_query_lens = [0]
         logit_rows: list[int] = []
+        tree_mask: list[int] = []
+        trees = any(span.parents is not None for span in spans)
         size = self.block_size
         for i, span in enumerate(spans):
             n = len(span.token_ids)
@@ -114,7 +131,14 @@ class ModelRunner:
             if end > len(table) * size:
                 raise ValueError(f"span {i} ends at {end}, past its block table")
             input_ids.extend(span.token_ids)
-            positions.extend(range(start, end))
+            if span.parents is None:
+                positions.extend(range(start, end))
+                tree_mask.extend([-1] * n * trees)  # every bit: causal
+            else:
+                if len(span.parents) != n:
+                    raise ValueError(f"span {i} has {n} tokens but {len(span.parents)} parents")
+                positions.extend(start + d for d in tree_depths(span.parents))
+                tree_mask.extend(tree_mask_of(span.parents))
             pos = start
             while pos < end:  # slot = block * block_size + offset, one run per block touched
                 index, offset = divmod(pos, size)
@@ -139,6 +163,7 @@ class ModelRunner:
             seq_lens=lens,
             block_tables=block_tables,
             backend=self.attention_backend,
+            tree_mask=torch.tensor(tree_mask, device=ids.device) if trees else None,
         )
         if features is not None:  # a draft head computes its logit rows only
             if any(span.num_logits > 1 for span in spans):

@@ -21,6 +21,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [S]: context length including this step's tokens
     block_tables: torch.Tensor  # int32 [S, M]
     backend: str = "torch"  # attention backend passed to kernels
+    # int64 [T] or None (every span causal): kernels.paged_attention's tree_mask (draft trees)
+    tree_mask: torch.Tensor | None = None
     # The backend's per-step plans (attention, KV write), built by the first layer and reused
     # by the others.
     plan: object | None = None
@@ -33,8 +35,9 @@ def plan_step(meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tenso
     dtype and device are read) on caches shaped like ``k_cache``."""
     meta.write_plan = kernels.plan_write_kv_cache(meta.slot_mapping, k_cache, meta.backend)
     meta.plan = kernels.plan_paged_attention(
-        query, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend
-    )
+        query, k_cache, meta.block_tables, meta.cu_query_lens, meta.seq_lens, meta.backend,
+        meta.tree_mask,
+    )  # fmt: skip
     meta.planned = True
 
 
@@ -78,4 +81,5 @@ class PagedAttention(nn.Module):
             self.scale,
             backend=meta.backend,
             plan=meta.plan,
+            tree_mask=meta.tree_mask,
         )
