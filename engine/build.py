@@ -129,7 +129,9 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
             runner(draft.model, draft.config, 1), config.seed + 1, spec.chain_stop
         )
     elif head is not None:
-        proposer = EagleProposer(runner(head, head.config, 1), config.seed + 1, spec.chain_stop)
+        proposer = EagleProposer(
+            runner(head, head.config, 1), config.seed + 1, spec.chain_stop, spec.leaves
+        )
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     manager = SpeculationManager(spec, proposer, max_model_len)

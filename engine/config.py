@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kernels.reference import MAX_TREE_TOKENS
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
@@ -36,6 +38,7 @@ class ChainStop:
 # prompts 0-7 greedy 0.3 led by ~2% (the sweep script and its runs: issue 14's notes).
 DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.3)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
+DEFAULT_DRAFT_LEAVES: tuple[int, ...] = ()
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 
 
@@ -66,6 +69,12 @@ class SpeculativeConfig:
     the first draft is always made. None: ``DEFAULT_CHAIN_STOP`` for eagle (0.2 for greedy
     requests, 0.3 for sampled ones), 0 (every chain runs to k) for a draft model. Which drafts
     are made depends on q alone, never on the target's p, so verification stays exact.
+
+    ``draft_leaves`` (eagle): ``draft_leaves[d]`` more of the head's top-ranked tokens at draft
+    depth d + 1 are verified as leaves beside the chain's draft there, in the same forward (a
+    draft tree: ``engine.spec_decode.tree``). Where the chain is rejected at a depth whose leaf
+    holds the token the target emits instead, the leaf's row gives one more token. None: the
+    eagle default ``DEFAULT_DRAFT_LEAVES``; () verifies chains only.
     """
 
     method: str = "ngram"
@@ -81,6 +90,7 @@ class SpeculativeConfig:
     # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
     sample_drafts: bool = True
     min_draft_confidence: float | None = None
+    draft_leaves: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -100,6 +110,25 @@ class SpeculativeConfig:
             raise ValueError(f"min_draft_confidence must be in [0, 1], got {c!r}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft_model is required when method='draft'")
+        leaves = self.draft_leaves
+        if leaves is not None:
+            if not isinstance(leaves, tuple | list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in leaves
+            ):
+                raise ValueError(f"draft_leaves must be a tuple of integers >= 0, got {leaves!r}")
+            if any(leaves) and self.method != "eagle":
+                raise ValueError(f"draft_leaves needs method='eagle', got {self.method!r}")
+            if len(leaves) > self.num_speculative_tokens:
+                raise ValueError(
+                    f"draft_leaves has a count per draft depth: at most num_speculative_tokens="
+                    f"{self.num_speculative_tokens} of them, got {len(leaves)}"
+                )
+            if self.num_speculative_tokens + sum(leaves) >= MAX_TREE_TOKENS:
+                raise ValueError(
+                    f"num_speculative_tokens + sum(draft_leaves) must be < {MAX_TREE_TOKENS} "
+                    f"(one verified span), got {self.num_speculative_tokens + sum(leaves)}"
+                )
+            object.__setattr__(self, "draft_leaves", tuple(leaves))
 
     @property
     def draft_skip(self) -> int:
@@ -115,6 +144,13 @@ class SpeculativeConfig:
             c = float(self.min_draft_confidence)
             return ChainStop(c, c)
         return DEFAULT_CHAIN_STOP if self.method == "eagle" else NO_CHAIN_STOP
+
+    @property
+    def leaves(self) -> tuple[int, ...]:
+        """``draft_leaves`` with its per-method default filled in."""
+        if self.draft_leaves is not None:
+            return self.draft_leaves
+        return DEFAULT_DRAFT_LEAVES if self.method == "eagle" else ()
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

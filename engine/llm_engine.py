@@ -37,8 +37,9 @@ from engine.step_sampler import SampleJob, SampleResult
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
 # Per scheduled sequence: one result per sample it feeds (n of them when its prompt forks),
-# and the target's hidden states of its span (None unless the proposer reads them).
-StepResult = tuple[Proposal, list[list[SampleResult]], list[torch.Tensor | None]]
+# and the target's hidden states of its span (None unless the proposer reads them); then, per
+# scheduled index whose draft tree gave a token at a leaf, that leaf's index in the span.
+StepResult = tuple[Proposal, list[list[SampleResult]], list[torch.Tensor | None], dict[int, int]]
 
 
 class LLMEngine:
@@ -142,8 +143,9 @@ class LLMEngine:
                 s.start,
                 1 + len(drafts) if s.samples else 0,
                 s.block_table,
+                tree.parents if (tree := proposal.trees.get(i)) else None,
             )
-            for s, drafts in zip(sched.scheduled, proposal.drafts, strict=True)
+            for i, (s, drafts) in enumerate(zip(sched.scheduled, proposal.drafts, strict=True))
         ]
         hidden = None
         if self.spec.needs_target_hidden:
@@ -153,15 +155,17 @@ class LLMEngine:
             hidden = self.spec.target_features(hidden)
         else:
             logits = self.runner.forward(spans)
-        jobs, owners, row = [], [], 0
+        jobs, owners, span_rows, row = [], [], {}, 0
         for i, (s, span) in enumerate(zip(sched.scheduled, spans, strict=True)):
             if not s.samples:
                 continue
             request, sample = self._owner[s.seq.seq_id]
-            rows = logits[row : row + span.num_logits]
+            rows = span_rows[i] = logits[row : row + span.num_logits]
             row += span.num_logits
             outputs = s.seq.num_output_tokens
             drafts, q = proposal.drafts[i], proposal.draft_probs[i]
+            if (tree := proposal.trees.get(i)) is not None:  # the chain is verified as one
+                rows, drafts = rows[: 1 + tree.chain], drafts[: tree.chain]
             for index in [sample.index] if outputs else range(request.params.n):
                 # (a finished prompt feeds all n samples at once)
                 jobs.append(
@@ -171,20 +175,52 @@ class LLMEngine:
         results: list[list[SampleResult]] = [[] for _ in sched.scheduled]
         for i, result in zip(owners, self.step_sampler(jobs), strict=True):
             results[i].append(result)
-        return proposal, results, _split_rows(hidden, spans)
+        leaf_hits = self._sample_at_leaves(proposal, jobs, owners, results, span_rows)
+        return proposal, results, _split_rows(hidden, spans), leaf_hits
+
+    def _sample_at_leaves(
+        self,
+        proposal: Proposal,
+        jobs: list[SampleJob],
+        owners: list[int],
+        results: list[list[SampleResult]],
+        span_rows: dict[int, torch.Tensor],
+    ) -> dict[int, int]:
+        """Where a draft tree's chain emitted the token a leaf holds, one more token from the
+        leaf's row (engine.spec_decode.tree: the target's p after the emitted tokens); returns
+        the leaves used, by scheduled index."""
+        follow, used = [], {}
+        for job, i in zip(jobs, owners, strict=True):
+            tree = proposal.trees.get(i)
+            if tree is None:
+                continue
+            emitted = results[i][0].token_ids  # a sequence with drafts feeds one sample
+            leaf = tree.leaf_hit(proposal.drafts[i], emitted)
+            if leaf is not None:
+                used[i] = leaf
+                follow.append(dataclasses.replace(
+                    job, num_outputs=job.num_outputs + len(emitted),
+                    token_ids=[*job.token_ids, *emitted], rows=span_rows[i][leaf : leaf + 1],
+                    drafts=(), draft_probs=None,
+                ))  # fmt: skip
+        for i, more in zip(used, self.step_sampler(follow), strict=True):
+            first = results[i][0]
+            logprobs = None if first.logprobs is None else first.logprobs + (more.logprobs or [])
+            results[i][0] = SampleResult(first.token_ids + more.token_ids, logprobs)
+        return used
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        proposal, results, hidden = result
+        proposal, results, hidden, leaf_hits = result
         progressed: dict[str, Request] = {}
-        for s, drafts, samples, rows in zip(
-            sched.scheduled, proposal.drafts, results, hidden, strict=True
+        for i, (s, drafts, samples, rows) in enumerate(
+            zip(sched.scheduled, proposal.drafts, results, hidden, strict=True)
         ):
             owner = self._owner.get(s.seq.seq_id)
             if owner is None:  # its request was aborted earlier in this loop
                 continue
             request = owner[0]
             try:
-                self._commit_sequence(request, s, drafts, samples, proposal, rows)
+                self._commit_sequence(request, s, drafts, samples, proposal, rows, leaf_hits.get(i))
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
                 progressed[request.request_id] = request
@@ -200,6 +236,7 @@ class LLMEngine:
         results: list[SampleResult],
         proposal: Proposal,
         hidden: torch.Tensor | None,
+        leaf: int | None,
     ) -> None:
         parent, end = s.seq, s.start + s.num_new_tokens
         seqs = [parent]
@@ -213,10 +250,19 @@ class LLMEngine:
             sample = self._owner[seq.seq_id][1]
             kept = self.outputs.append(request, sample, res.token_ids, res.logprobs)
             num_computed = end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
+            if leaf is not None and len(kept) == len(res.token_ids):  # the leaf's KV is kept
+                depth = len(kept) - 1  # the leaf's token is the last but one
+                size = self.config.block_size
+                self.runner.move_kv(
+                    [(_slot(s, s.start + leaf, size), _slot(s, s.start + depth, size))]
+                )
+                if hidden is not None:  # its rows by position, as the proposer reads them
+                    hidden = torch.cat([hidden[:depth], hidden[leaf : leaf + 1]])
             target = TargetStep(s.start, hidden, num_computed)
             covered = self.spec.commit(
-                seq, kept, len(drafts), len(res.token_ids), proposal, parent, target
-            )
+                seq, kept, len(drafts), len(res.token_ids), proposal, parent, target,
+                leaf is not None,
+            )  # fmt: skip
             cacheable = num_computed if covered is None else min(num_computed, covered)
             self.scheduler.update(seq, num_computed, kept, cacheable)
             if sample.finished:
@@ -281,6 +327,10 @@ class LLMEngine:
             self.outputs.new_sample(request, seq, index).finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         return self.outputs.output(request)
+
+
+def _slot(s: ScheduledSequence, position: int, block_size: int) -> int:
+    return s.block_table[position // block_size] * block_size + position % block_size
 
 
 def _split_rows(hidden: torch.Tensor | None, spans: list[Span]) -> list[torch.Tensor | None]:

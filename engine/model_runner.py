@@ -65,13 +65,23 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: the only KV copy the engine ever makes."""
+        """Copy-on-write of whole blocks (the other KV copy the engine makes is ``move_kv``)."""
         if not pairs:
             return
         src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    def move_kv(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) slot's K/V in every layer: an accepted draft-tree leaf's K/V,
+        written at its slot in the span, to its position's slot (engine.spec_decode.tree)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
+        for cache in (c for layer in self.kv_caches for c in layer):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst] = flat[src]
 
     def _index_tensors(
         self, int64: list[list[int]], int32: list[list[int]], tables: list[list[int]]

@@ -42,6 +42,7 @@ class EngineStats:
     num_verifications: int = 0  # sequence-rounds that verified at least one draft
     accepted_by_position: tuple[int, ...] = field(default=())  # accepted count at draft position i
     num_prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_leaf_tokens: int = 0  # accepted tokens that were draft-tree leaves (in num_accepted)
 
     @property
     def acceptance_rate(self) -> float:

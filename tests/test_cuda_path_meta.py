@@ -97,6 +97,7 @@ def _expect(stubs, model_config, dtype, spans: list[Span], width: int) -> None:
         "block_tables_ptr": (torch.int32, (seqs, width)),
         "cu_query_lens_ptr": (torch.int32, (seqs + 1,)),
         "seq_lens_ptr": (torch.int32, (seqs,)),
+        "tree_mask_ptr": (torch.int32, (seqs,)),  # no tree: seq_lens stands in, unread
     }  # fmt: skip
     stubs["merge"].expect = {
         "out_ptr": q, "part_m_ptr": part, "part_l_ptr": part, "part_acc_ptr": acc,

@@ -3,6 +3,8 @@ target's features, greedy output never changes, and rollback rewrites block tabl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import build_random_eagle_head
@@ -51,22 +53,28 @@ def reference_head(path: str) -> ReferenceHead:
     return reference
 
 
-def eagle(head: str, k: int = 3) -> dict:
+def eagle(head: str, k: int = 3, leaves: tuple[int, ...] = ()) -> dict:
     return {"method": "eagle", "draft_model": head, "num_speculative_tokens": k,
-            "max_draft_skip": 0}  # fmt: skip
+            "max_draft_skip": 0, "draft_leaves": leaves}  # fmt: skip
+
+
+# A tree wide enough that a random head's leaves often hold the target's token.
+TREE = (20, 10, 5)
 
 
 def drafted(
     llm: LLM, min_drafts: int, params: SamplingParams | list[SamplingParams] = GREEDY
 ) -> list[tuple[list[int], list[int]]]:
     """(the sequence's tokens, its drafts) of every proposal of at least ``min_drafts`` drafts
-    while ``llm`` answers two prompts (greedily by default)."""
+    while ``llm`` answers two prompts (greedily by default); of a draft tree, its chain."""
     proposer = llm.llm_engine.spec.proposer
     propose, seen = proposer.propose, []
 
-    def recording(scheduled, ks, params):
-        proposal = propose(scheduled, ks, params)
-        for s, d in zip(scheduled, proposal.drafts, strict=True):
+    def recording(scheduled, ks, params, *leaf_slots):
+        proposal = propose(scheduled, ks, params, *leaf_slots)
+        for i, (s, d) in enumerate(zip(scheduled, proposal.drafts, strict=True)):
+            if i in proposal.trees:
+                d = d[: proposal.trees[i].chain]
             if len(d) >= min_drafts:
                 seen.append((list(s.seq.token_ids), list(d)))
         return proposal
@@ -94,13 +102,16 @@ def test_paged_head_drafts_what_the_reference_head_computes(tiny_llama, head):
             assert draft == int(d2t[reference.lm_head(h).argmax()])
 
 
-def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
+@pytest.mark.parametrize("leaves", [(), (60,)], ids=["chain", "tree"])
+def test_chained_drafts_follow_the_reference_head(tiny_llama, head, leaves):
     """k = 3: draft j + 1 comes from (d_j, h) at position C + j, h being the head's own output at
     C + j - 1, attending to the context's KV (from the target's features) and the chain's own;
-    recomputed here by running the training module's head over the growing sequence."""
-    llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=eagle(head, k=3))
+    recomputed here by running the training module's head over the growing sequence. With draft
+    trees too: after a token from a leaf, the head reads the leaf's features at its position."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, speculative_config=eagle(head, k=3, leaves=leaves))
     seen = drafted(llm, min_drafts=2)
     assert len(seen) > 5
+    assert (llm.llm_engine.get_stats().num_leaf_tokens > 5) == bool(leaves)
     hf = LlamaForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     reference = reference_head(head)
     d2t = load_head(head)[0]["d2t"]
@@ -129,21 +140,33 @@ def test_chained_drafts_follow_the_reference_head(tiny_llama, head):
     ],
     ids=["batch", "chunked", "preempt"],
 )
-def test_eagle_greedy_equals_plain_greedy(tiny_llama, head, kwargs):
-    plain = LLM(tiny_llama, num_kv_blocks=128).generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm = LLM(tiny_llama, speculative_config=eagle(head), **kwargs)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+@pytest.mark.parametrize("leaves", [(), TREE], ids=["chain", "tree"])
+def test_eagle_greedy_equals_plain_greedy(tiny_llama, head, kwargs, leaves):
+    """Also with draft trees: a token from a leaf's row, and the leaf's K/V moved into place
+    (later rows read it), give plain greedy's tokens and logprobs."""
+    params = dataclasses.replace(GREEDY, logprobs=2)
+    plain = LLM(tiny_llama, num_kv_blocks=128).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_llama, speculative_config=eagle(head, leaves=leaves), **kwargs)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    for got, want in zip(outs, plain, strict=True):
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
     stats = llm.llm_engine.get_stats()
-    assert stats.num_draft_tokens > 0
+    assert stats.num_verifications > 0
+    assert stats.num_draft_tokens > (3 if leaves else 0.9) * stats.num_verifications
+    if "max_num_batched_tokens" not in kwargs:  # (chunked: 5 leaves fit, and rarely hit)
+        assert (stats.num_leaf_tokens > 3) == bool(leaves), stats
     assert stats.num_free_blocks == stats.num_total_blocks
     if kwargs["num_kv_blocks"] == 12:
         assert stats.num_preemptions > 0
 
 
-def test_eagle_with_prefix_hits_n_and_stop_strings(tiny_llama, head):
+@pytest.mark.parametrize("leaves", [(), TREE], ids=["chain", "tree"])
+def test_eagle_with_prefix_hits_n_and_stop_strings(tiny_llama, head, leaves):
     plain_llm = LLM(tiny_llama, num_kv_blocks=128)
-    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=eagle(head))
+    llm = LLM(tiny_llama, num_kv_blocks=128, speculative_config=eagle(head, leaves=leaves))
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, stop=["fox"])
     for _ in range(2):  # the second round hits the prefix cache
         got = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -224,7 +224,7 @@ def test_cpu_cache_write_rejects_bad_input_before_writing(match, change, gen):
 
 def test_auto_picks_cpu_kernel_for_cpu_float_tensors(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a, **_: calls.append(a) or a[0])
     p = _problem()
     kernels.paged_attention(*p.args(), 1.0)
     assert len(calls) == 1

@@ -120,8 +120,10 @@ def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
         spec = {"method": "ngram", **common}
     elif method.startswith("draft-"):
         spec = {"method": "draft", "draft_model": drafts[method[6:]], **common}
-    elif method == "eagle":
+    elif method.startswith("eagle"):
         spec = {"method": "eagle", "draft_model": drafts["eagle"], **common}
+        if method == "eagle-tree":  # leaves beside the chain: a tree of 3 + 6 drafts
+            spec["draft_leaves"] = (3, 2, 1)
     return LLM(
         target,
         num_kv_blocks=NUM_SAMPLES + 64,
@@ -145,6 +147,8 @@ def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
         ("off", 1.0, PENALTIES),  # control: the penalised law and plain penalised sampling
         ("draft-noisy", 1.0, PENALTIES),  # sampled drafts: rejection sampling
         ("eagle", 1.0, PENALTIES),  # sampled drafts over a reduced vocabulary
+        ("eagle-tree", 1.0, {}),  # a token from a leaf's row where the chain stopped at it
+        ("eagle-tree", 0.7, PENALTIES),
         ("ngram", 1.0, PENALTIES),  # deterministic drafts: sample and match
     ],
     ids=lambda v: ("penalties" if v else "plain") if isinstance(v, dict) else None,
@@ -163,6 +167,9 @@ def test_speculative_sampling_follows_the_target_joint_law(
         assert 0.03 < stats.acceptance_rate < 0.97, stats
     if method == "eagle":  # the default chain stop (min_draft_confidence) ends some chains early
         assert 1.2 < stats.num_draft_tokens / stats.num_verifications < 2.8, stats
+    if method == "eagle-tree":  # many rounds end at a leaf, many do not
+        assert 0.1 * stats.num_verifications < stats.num_leaf_tokens, stats
+        assert stats.num_leaf_tokens < 0.9 * stats.num_verifications, stats
     # tokens 1..3 (every one of them drafted and verified at least some of the time), jointly
     stat, threshold, df = chi_square_test(counts.sum(0), law.sum(0), P_VALUE)
     assert stat < threshold, f"tokens 1..3: chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"

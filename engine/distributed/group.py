@@ -158,6 +158,10 @@ class DistributedRunner:
         if pairs:
             self.group.call(self.index, "copy_blocks", (pairs,), self.runner.copy_blocks)
 
+    def move_kv(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self.group.call(self.index, "move_kv", (pairs,), self.runner.move_kv)
+
     def forward(
         self,
         spans: list[Span],

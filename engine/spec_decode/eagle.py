@@ -95,9 +95,14 @@ class EagleProposer:
     needs_target_hidden = True
 
     def __init__(
-        self, runner: ModelRunner, seed: int, chain_stop: ChainStop = NO_CHAIN_STOP
+        self,
+        runner: ModelRunner,
+        seed: int,
+        chain_stop: ChainStop = NO_CHAIN_STOP,
+        leaves: tuple[int, ...] = (),
     ) -> None:
         self.runner = runner
+        self.leaves = leaves
         self.head = runner.model
         self.hidden_layers = self.head.feature_layers
         self.chain_stop = chain_stop
@@ -110,7 +115,10 @@ class EagleProposer:
         scheduled: list[ScheduledSequence],
         ks: list[int],
         params: list[SamplingParams | None],
+        leaf_slots: list[int] | None = None,
     ) -> Proposal:
+        """Chains of ``ks[i]`` drafts, with up to ``leaf_slots[i]`` leaves beside them (the
+        tree ``self.leaves`` asks for, cut to fit)."""
         spans, features, written, fed = [], [], {}, []
         for i, (s, k) in enumerate(zip(scheduled, ks, strict=True)):
             seq, end = s.seq, s.start  # feed positions valid..C, C = s.start
@@ -137,13 +145,14 @@ class EagleProposer:
             return logits
 
         first_features = torch.cat(features)
-        chains, qs = chain_drafts(
+        chains, qs, trees = chain_drafts(
             [scheduled[i] for i in fed], [ks[i] for i in fed], [params[i] for i in fed],
             spans, forward, self._draw, written, self.chain_stop,
+            self.leaves, self._alternatives, [(leaf_slots or [0] * len(ks))[i] for i in fed],
         )  # fmt: skip
         for i, chain, q in zip(fed, chains, qs, strict=True):
             drafts[i], sampled[i] = chain, q
-        return Proposal(drafts, sampled, written)
+        return Proposal(drafts, sampled, written, {fed[j]: tree for j, tree in trees.items()})
 
     def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
         """feature_{i-1} for positions i in [start, end): stored ones, zeros where unknown."""
@@ -171,6 +180,12 @@ class EagleProposer:
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
         q[:, d2t] = q_draft
         return d2t[ids].tolist(), q
+
+    def _alternatives(self, logits: torch.Tensor, count: int, drawn: list[int]) -> list[list[int]]:
+        """Each row's ``count`` top tokens of the head's logits other than its draft, as
+        target ids (the leaves of a draft tree)."""
+        top = self.head.d2t[logits.topk(count + 1, dim=-1).indices].tolist()
+        return [[t for t in row if t != d][:count] for row, d in zip(top, drawn, strict=True)]
 
     @property
     def target_vocab_size(self) -> int:

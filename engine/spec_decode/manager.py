@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
 from engine.spec_decode.rejection import verify_deterministic_drafts
+from engine.spec_decode.tree import tree_slots
 from scheduler import ScheduledSequence, Sequence
 
 
@@ -29,10 +30,12 @@ class SpeculationManager:
         self.max_model_len = max_model_len
         self.proposer = proposer
         self.backoff = DraftBackoff(config.draft_skip if config else 0)
+        self.leaves = config.leaves if config else ()
         self.num_lookahead_slots = config.num_speculative_tokens if config else 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        self.num_leaf_tokens = 0
         self.accepted_by_position = [0] * self.num_lookahead_slots
 
     def lookahead(
@@ -44,6 +47,7 @@ class SpeculationManager:
         ``disable_batch_size``: a step that full is compute-bound and verification is no longer
         free. Otherwise k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``,
         and 0 for a sequence in backoff or with no output yet (its prompt is being computed).
+        With draft leaves the slots are those of k's tree (``tree_slots``).
         """
         config = self.config
         if config is None or num_busy >= config.disable_batch_size:
@@ -53,11 +57,14 @@ class SpeculationManager:
             outputs = seq.num_output_tokens
             if not outputs or not self.backoff.should_draft(seq.seq_id, outputs):
                 return 0
-            left = (params_of(seq).max_tokens or self.max_model_len) - outputs
-            return max(0, min(config.num_speculative_tokens, left - 1,
-                              self.max_model_len - len(seq) - 1))  # fmt: skip
+            return tree_slots(self._max_depth(seq, params_of(seq)), self.leaves)
 
         return k
+
+    def _max_depth(self, seq: Sequence, params: SamplingParams) -> int:
+        """k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``."""
+        left = (params.max_tokens or self.max_model_len) - seq.num_output_tokens
+        return max(0, min(self.num_lookahead_slots, left - 1, self.max_model_len - len(seq) - 1))
 
     def propose(
         self,
@@ -65,14 +72,20 @@ class SpeculationManager:
         params_of: Callable[[Sequence], SamplingParams],
     ) -> Proposal:
         """Drafts for the sequences that reserved lookahead slots (a draft model also runs every
-        span, see ``DraftModelProposer``)."""
-        ks = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
+        span, see ``DraftModelProposer``). Slots the scheduler cut short (token budget) go to
+        the chain first, then to leaves."""
+        slots = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
+        ks = [min(n, self._max_depth(s.seq, params_of(s.seq))) if n else 0
+              for s, n in zip(scheduled, slots, strict=True)]  # fmt: skip
         if self.proposer is None or not (any(ks) or self.proposer.runs_every_span):
             return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
         params = [params_of(s.seq) if k else None for s, k in zip(scheduled, ks, strict=True)]
         if not self.config.sample_drafts:  # draft the argmax; verification sees no q
             params = [p if p is None else dataclasses.replace(p, temperature=0.0) for p in params]
-        return self.proposer.propose(scheduled, ks, params)
+        if not any(self.leaves):
+            return self.proposer.propose(scheduled, ks, params)
+        leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
+        return self.proposer.propose(scheduled, ks, params, leaf_slots)
 
     @staticmethod
     def verify(samples: Seq[int], drafts: Seq[Seq[int]], starts: Seq[int]) -> list[list[int]]:
@@ -89,10 +102,13 @@ class SpeculationManager:
         proposal: Proposal,
         scheduled_as: Sequence,
         target: TargetStep,
+        at_leaf: bool = False,
     ) -> int | None:
         """Record a round of ``seq`` about to commit ``new_token_ids`` (``scheduled_as`` is the
-        sequence the step ran: itself, or the parent whose prompt a new fork shares); returns
-        how many of ``seq``'s tokens the proposer's KV covers (None: it keeps no KV)."""
+        sequence the step ran: itself, or the parent whose prompt a new fork shares; ``at_leaf``:
+        its last accepted token was a draft-tree leaf); returns how many of ``seq``'s tokens
+        the proposer's KV covers (None: it keeps no KV)."""
+        self.num_leaf_tokens += at_leaf
         if num_drafts:
             accepted = num_emitted - 1
             self.backoff.record(seq.seq_id, accepted, seq.num_output_tokens + len(new_token_ids))
@@ -138,5 +154,6 @@ class SpeculationManager:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_verifications=self.num_verifications,
+            num_leaf_tokens=self.num_leaf_tokens,
             accepted_by_position=tuple(self.accepted_by_position),
         )

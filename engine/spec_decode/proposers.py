@@ -12,7 +12,7 @@ fails before committing leaves it as it was.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,6 +23,7 @@ from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.tree import DraftTree
 from scheduler import ScheduledSequence
 
 
@@ -34,6 +35,8 @@ class Proposal:
     draft_probs: list[torch.Tensor | None]
     # per seq_id: (KV written for token_ids[:base], then for these drafts at base, base + 1, ...)
     written: dict[int, tuple[int, list[int]]]
+    # per scheduled index whose drafts are a tree (a chain, then leaves): its shape
+    trees: dict[int, DraftTree] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class DraftModelProposer:
             ids, q = draw_drafts(logits, rows, self.generator)
             return ids.tolist(), q
 
-        drafts, sampled = chain_drafts(
+        drafts, sampled, _ = chain_drafts(
             scheduled, ks, params, spans, forward, draw, written, self.chain_stop
         )
         return Proposal(drafts, sampled, written)
@@ -250,6 +253,8 @@ Forward = Callable[[list[Span], list[int]], torch.Tensor]
 Draw = Callable[
     [torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor | None]
 ]
+# (logit rows, how many, each row's draft): that many more of each row's top tokens
+Alternatives = Callable[[torch.Tensor, int, list[int]], list[list[int]]]
 
 
 def chain_drafts(
@@ -261,16 +266,24 @@ def chain_drafts(
     draw: Draw,
     written: dict[int, tuple[int, list[int]]],
     chain_stop: ChainStop = NO_CHAIN_STOP,
-) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    leaves: tuple[int, ...] = (),
+    alternatives: Alternatives | None = None,
+    leaf_slots: list[int] | None = None,
+) -> tuple[list[list[int]], list[torch.Tensor | None], dict[int, DraftTree]]:
     """Chain drafting shared by the draft model and the EAGLE head: ``forward(spans, owners)``
     runs the drafter (``owners[j]`` = the scheduled index of span j; the first call gets
     ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
     in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
     probabilities (softmax of the raw logits) falls below ``chain_stop``'s threshold for the
-    request (greedy or sampled). Returns the drafts and, per sequence, q stacked where the
-    drafts were sampled (None where argmax)."""
+    request (greedy or sampled). With ``leaves``, ``alternatives`` adds ``leaves[t]`` more of
+    the drafter's top tokens at each depth t + 1 the chain reaches, as leaves of a DraftTree
+    (``engine.spec_decode.tree``), at most ``leaf_slots[i]`` for sequence i. Returns the
+    drafts (the chain, then any leaves), per sequence q stacked where the chain was sampled
+    (None where argmax), and the trees."""
     drafts: list[list[int]] = [[] for _ in scheduled]
+    leaf_tokens: list[list[int]] = [[] for _ in scheduled]
+    leaf_depths: list[list[int]] = [[] for _ in scheduled]
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
     confidence = [1.0] * len(scheduled)
     active = [i for i, k in enumerate(ks) if k]
@@ -289,6 +302,12 @@ def chain_drafts(
             drafts[i].append(tokens[j])
             if q is not None:  # None: every row greedy, and greedy drafts keep no q
                 probs[i].append(q[j])
+        if step < len(leaves) and leaves[step] and alternatives is not None and leaf_slots:
+            for j, more in enumerate(alternatives(logits, leaves[step], tokens)):
+                i = active[j]
+                more = more[: leaf_slots[i] - len(leaf_tokens[i])]
+                leaf_tokens[i] += more
+                leaf_depths[i] += [step + 1] * len(more)
         active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= stop[i]]
         if not active:
             break
@@ -303,7 +322,12 @@ def chain_drafts(
         torch.stack(q) if p is not None and not p.greedy else None
         for p, q in zip(params, probs, strict=True)
     ]
-    return drafts, sampled
+    trees = {
+        i: DraftTree(len(drafts[i]), tuple(leaf_depths[i]))
+        for i in range(len(scheduled))
+        if leaf_tokens[i]
+    }
+    return [d + leaf for d, leaf in zip(drafts, leaf_tokens, strict=True)], sampled, trees
 
 
 def _history(s: ScheduledSequence, params: SamplingParams, drafts: list[int]) -> TokenHistory:

@@ -1,0 +1,115 @@
+"""Draft trees (engine.spec_decode.tree): shapes, slots, the config, leaf drafting and the
+manager's slot split. Their verification and KV are tested end to end in test_eagle (greedy
+output, logprobs, the head's features after a leaf) and test_spec_distribution (the law)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.model_runner import Span
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.manager import SpeculationManager
+from engine.spec_decode.proposers import Proposal, chain_drafts
+from engine.spec_decode.tree import DraftTree, tree_slots
+
+
+def test_a_tree_is_its_chain_then_leaves_off_the_chain():
+    tree = DraftTree(chain=3, leaf_depths=(1, 1, 2))
+    assert tree.parents == (-1, 0, 1, 2, 0, 0, 1)  # span: last token, d1..d3, then leaves
+    drafts = [10, 11, 12, 20, 21, 22]
+    assert tree.leaf_hit(drafts, [21]) == 5  # d1 rejected; the target's token is leaf 21
+    assert tree.leaf_hit(drafts, [10, 22]) == 6  # d1 accepted, d2 rejected for leaf 22
+    assert tree.leaf_hit(drafts, [10, 21]) is None  # 21 is a depth-1 leaf, not depth 2
+    assert tree.leaf_hit(drafts, [99]) is None
+    assert tree.leaf_hit(drafts, [10, 11, 12, 20]) is None  # all accepted: a bonus, no leaf
+    assert tree_slots(3, (2, 1)) == 6 and tree_slots(1, (2, 1)) == 3 and tree_slots(2, ()) == 2
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(method="eagle", draft_leaves=(-1,)), "draft_leaves must be a tuple of integers"),
+        (dict(method="eagle", draft_leaves=(True,)), "draft_leaves must be a tuple of integers"),
+        (dict(method="ngram", draft_leaves=(1,)), "draft_leaves needs method='eagle'"),
+        (dict(method="eagle", num_speculative_tokens=2, draft_leaves=(1, 1, 1)), "at most"),
+        (dict(method="eagle", num_speculative_tokens=4, draft_leaves=(60,)), "must be < 64"),
+    ],
+)
+def test_bad_draft_leaves_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**fields)
+
+
+def test_draft_leaves_defaults_and_lists():
+    assert SpeculativeConfig(method="eagle", draft_leaves=[2, 1]).leaves == (2, 1)
+    assert SpeculativeConfig(method="ngram").leaves == ()
+    assert SpeculativeConfig(method="ngram", draft_leaves=(0, 0)).leaves == (0, 0)
+
+
+def _scheduled(n: int) -> list:
+    seqs = [SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2) for i in range(n)]
+    return [SimpleNamespace(seq=s, start=2, block_table=[0]) for s in seqs]
+
+
+def test_leaves_are_the_drafters_next_best_tokens_within_each_sequences_slots():
+    """A drafter ranking tokens 0 > 1 > 2 > 3 > 4 everywhere: the chain drafts 0s, the leaves at
+    each depth are 1, 2, ... as many as leaves[depth] and the sequence's leaf slots allow."""
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
+
+    def forward(spans, owners):
+        return logits.expand(len(spans), 5).clone()
+
+    def draw(rows_logits, rows):
+        return rows_logits.argmax(-1).tolist(), None
+
+    def alternatives(rows_logits, count, drawn):
+        top = rows_logits.topk(count + 1, dim=-1).indices.tolist()
+        return [[t for t in row if t != d][:count] for row, d in zip(top, drawn, strict=True)]
+
+    scheduled = _scheduled(3)
+    spans = [Span([3], 2, 1, [0]) for _ in scheduled]
+    written = {s.seq.seq_id: (3, []) for s in scheduled}
+    params = [SamplingParams(temperature=0)] * 3
+    drafts, _, trees = chain_drafts(scheduled, [3, 2, 1], params, spans, forward, draw, written,
+                                    leaves=(2, 1, 1), alternatives=alternatives,
+                                    leaf_slots=[4, 1, 0])  # fmt: skip
+    assert drafts == [[0, 0, 0, 1, 2, 1, 1], [0, 0, 1], [0]]
+    assert trees == {0: DraftTree(3, (1, 1, 2, 3)), 1: DraftTree(2, (1,))}
+
+
+def test_the_manager_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first():
+    config = SpeculativeConfig(method="eagle", num_speculative_tokens=3, draft_leaves=(4, 2))
+    seen = {}
+
+    class Proposer:
+        runs_every_span = False
+
+        def propose(self, scheduled, ks, params, leaf_slots):
+            seen.update(ks=ks, leaf_slots=leaf_slots)
+            return Proposal([[] for _ in ks], [None] * len(ks), {})
+
+    manager = SpeculationManager(config, Proposer(), max_model_len=100)
+    params = SamplingParams(temperature=0, max_tokens=50)
+    lookahead = manager.lookahead(1, lambda s: params)
+    assert lookahead(_Seq(1, 10)) == 3 + 4 + 2
+    assert lookahead(_Seq(49, 60)) == 0  # one token left: no drafts
+    assert lookahead(_Seq(47, 60)) == 2 + 4 + 2  # two drafts at most: the chain is cut
+    # a full tree; one the scheduler cut to 5 slots; one capped at two drafts
+    full = [_Scheduled(_Seq(1, 10), 9), _Scheduled(_Seq(1, 10), 5), _Scheduled(_Seq(47, 60), 8)]
+    manager.propose(full, lambda s: params)
+    assert seen == {"ks": [3, 3, 2], "leaf_slots": [6, 2, 6]}
+
+
+class _Seq:
+    def __init__(self, outputs: int, length: int, seq_id: int = 0) -> None:
+        self.seq_id, self.num_output_tokens, self.length = seq_id, outputs, length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class _Scheduled:
+    def __init__(self, seq: _Seq, slots: int) -> None:
+        self.seq, self.num_lookahead_slots, self.samples = seq, slots, True
