@@ -28,6 +28,7 @@ SERVING_PEER = "transformers"
 DEMO_PEAK_GB = 0.9
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
+    "eagle-chain": "eagle, no leaves", "eagle-t-chain": "eagle, sampled drafts, no leaves",
     "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
 
@@ -232,7 +233,8 @@ SWEEP_COLUMNS = (
 EAGLE_COLUMNS = (
     "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | tokens/verification="
-    "{r[mean_accepted_length]:.2f} | drafts/verification={drafts:.2f} | "
+    "{r[mean_accepted_length]:.2f} | of them from leaves={leaves} | "
+    "drafts/verification={drafts:.2f} | "
     "acceptance by draft position={by_position} | "
     "same tokens={r[same_tokens_as_reference]:.0%} | speedup by pass={by_pass}"
 )
@@ -300,7 +302,9 @@ def _render_eagle(e: dict) -> list[str]:
              "by_pass": _speedup_by_pass(r, reference[r["temperature"] > 0]),
              "drafts": (r["mean_accepted_length"] - 1) / r["acceptance_rate"]
              if r.get("acceptance_rate") else 0.0,
-             "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", []))}
+             "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", [])),
+             "leaves": f"{r['leaf_tokens_per_verification']:.2f}"
+             if r.get("leaf_tokens_per_verification") is not None else ""}
             for name, r in runs.items()]  # fmt: skip
     return [
         "",

@@ -102,14 +102,15 @@ def run_engine(engine: LLMEngine, requests: Sequence, ignore_eos: bool = True,
                 timing = RequestTiming(first[out.request_id], now, len(tokens))
                 done[out.request_id] = (timing, tokens)
     after = engine.get_stats()
-    keys = ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
-    drafts, accepted, rounds = (getattr(after, k) - getattr(before, k) for k in keys)
+    keys = ("num_draft_tokens", "num_accepted_tokens", "num_verifications", "num_leaf_tokens")
+    drafts, accepted, rounds, leaves = (getattr(after, k) - getattr(before, k) for k in keys)
     old = list(before.accepted_by_position) or [0] * len(after.accepted_by_position)
     by_position = [a - b for a, b in zip(after.accepted_by_position, old, strict=True)]
     stats = {"steps": steps, "num_kv_blocks": after.num_total_blocks,
              "peak_kv_blocks_used": after.num_total_blocks - min_free,
              "preemptions": after.num_preemptions - before.num_preemptions,
              "draft_tokens": drafts, "accepted_tokens": accepted, "verifications": rounds,
+             "leaf_tokens": leaves,
              "accepted_by_position": by_position,
              "acceptance_rate": accepted / drafts if drafts else None,
              "mean_accepted_length": (accepted + rounds) / rounds if rounds else None}  # fmt: skip

@@ -437,15 +437,16 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
     assert payload["workloads"] == payload["batch_sweep"] == {}  # no ngram part asked for
     runs = payload["eagle"]["runs"]
     assert set(runs) == set(spec_decode.EAGLE_RUNS)
-    for name in ("eagle", "eagle-k4"):  # greedy EAGLE is lossless
+    for name in ("eagle", "eagle-chain", "eagle-k4"):  # greedy EAGLE is lossless
         assert runs[name]["same_tokens_as_reference"] == 1.0
     assert "acceptance_rate" not in runs["none"] and "acceptance_rate" not in runs["none-t"]
-    for name in ("eagle", "eagle-k4", "eagle-t", "eagle-t-argmax"):
+    for name in ("eagle", "eagle-chain", "eagle-k4", "eagle-t", "eagle-t-chain", "eagle-t-argmax"):
         by_position = runs[name]["acceptance_by_position"]  # accepted at i / verifications
         assert len(by_position) == 4 and by_position == sorted(by_position, reverse=True)
         assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
         assert runs[name]["temperature"] == (0.0 if name.count("-t") == 0 else 0.8)
     assert runs["eagle-t"]["acceptance_rate"] > 0
+    assert runs["eagle-chain"]["leaf_tokens_per_verification"] == 0  # leaves: the default only
     for r in runs.values():  # the pooled rate is the passes' rates weighted by their seconds
         by_pass = r["tokens_per_s_by_pass"]
         assert len(by_pass) == 2 and min(by_pass) <= r["tokens_per_s"] <= max(by_pass)
