@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kernels.reference import MAX_TREE_TOKENS
@@ -219,9 +219,15 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
-        object.__setattr__(
-            self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
-        )
+        spec = SpeculativeConfig.of(self.speculative_config)
+        if spec is not None and self.attention_backend == "xformers" and any(spec.leaves):
+            if spec.draft_leaves is not None:
+                raise ValueError(
+                    "draft_leaves needs tree masks, which attention_backend 'xformers' lacks "
+                    "(triton, cpu and torch have them)"
+                )
+            spec = replace(spec, draft_leaves=())  # the default tree: chains instead
+        object.__setattr__(self, "speculative_config", spec)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -9,7 +9,8 @@ One step, each job with one owner:
    runs every span in one packed forward, the ``StepSampler`` samples and verifies.
 3. ``_commit`` moves them: the ``OutputProcessor`` keeps tokens up to a stop, then
    ``Scheduler.update`` commits them, advances ``num_computed_tokens`` and rolls the block table
-   back past rejected drafts; finished samples are retired.
+   back past rejected drafts (a kept draft-tree leaf's K/V is first copied to its position's
+   slot, ``engine.spec_decode.tree``); finished samples are retired.
 
 If step 2 raises, no sequence has moved: the engine finds the request(s) that fail on their
 own, aborts them (their outputs carry the error) and the others run next step as if nothing

@@ -164,11 +164,13 @@ def warmup(
     max_context: int,
     backend: Backend = "auto",
     query_dtype: torch.dtype | None = None,
+    trees: bool = False,
 ) -> int:
     """Compiles every Triton kernel variant the backend can launch on these caches (one layer's;
     all layers share the variants) for queries, keys and values of ``query_dtype`` (None: the
     caches' dtype), so no step waits for a compile; returns how many attention variants were
-    compiled. Nothing to do off CUDA or for the torch and cpu backends."""
+    compiled. ``trees``: their tree-mask variants too (draft trees). Nothing to do off CUDA or
+    for the torch and cpu backends."""
     if k_cache.device.type != "cuda":
         return 0
     chosen = _resolve(backend, k_cache)
@@ -177,6 +179,7 @@ def warmup(
     from kernels.triton_warmup import warmup as triton_warmup
 
     variants = triton_warmup(
-        num_heads, k_cache, v_cache, max_context, chosen == "triton", query_dtype or k_cache.dtype
-    )
+        num_heads, k_cache, v_cache, max_context, chosen == "triton", query_dtype or k_cache.dtype,
+        trees and chosen == "triton",
+    )  # fmt: skip
     return len(variants)

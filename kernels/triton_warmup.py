@@ -56,6 +56,7 @@ def warmup(
     max_context: int,
     attention: bool = True,
     query_dtype: torch.dtype | None = None,
+    trees: bool = False,
 ) -> list[Variant]:
     """Launches each variant once on a one-token problem over `k_cache` / `v_cache` (the
     engine's caches: same dtype, strides and alignment) with queries, keys and values of
@@ -66,7 +67,8 @@ def warmup(
     split from one rotary output, v split from the qkv projection), so the pointers and strides
     have the divisibility the real launches have: Triton specialises on nothing else here. The
     KV write is compiled with slot -1, which writes nothing; attention reads block 0 and its
-    output is thrown away.
+    output is thrown away. ``trees``: each attention variant is compiled with a tree mask too
+    (the TREE variants draft-tree verification launches).
     """
     if k_cache.device.type != "cuda" or interpreted(triton_attention._attention_kernel):
         return []  # TRITON_INTERPRET=1 on a GPU machine: nothing is compiled
@@ -86,11 +88,14 @@ def warmup(
     group = num_heads // num_kv_heads
     limit = max_block_m(dtype, max(16, triton.next_power_of_2(head_dim)))
     variants = attention_variants(group, max_context, limit) if attention else []
+    masks = [None, torch.full((1,), -1, dtype=torch.int64, device=device)][: 1 + trees]
     for variant in variants:
         block_q = variant.block_m // group
         plan = LaunchPlan(variant.block_m, block_q, 1 // block_q + 1, variant.num_splits)
-        triton_attention.launch(
-            q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, 1.0, out, plan
-        )
+        for tree_mask in masks:
+            triton_attention.launch(
+                q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, 1.0, out, plan,
+                tree_mask,
+            )  # fmt: skip
     torch.cuda.synchronize(device)
     return variants

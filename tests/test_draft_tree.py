@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import SpeculativeConfig
+from engine.config import DEFAULT_DRAFT_LEAVES, EngineConfig, SpeculativeConfig
 from engine.model_runner import Span
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.manager import SpeculationManager
@@ -43,9 +43,19 @@ def test_bad_draft_leaves_are_refused(fields, match):
 
 
 def test_draft_leaves_defaults_and_lists():
+    assert SpeculativeConfig(method="eagle").leaves == DEFAULT_DRAFT_LEAVES
     assert SpeculativeConfig(method="eagle", draft_leaves=[2, 1]).leaves == (2, 1)
     assert SpeculativeConfig(method="ngram").leaves == ()
     assert SpeculativeConfig(method="ngram", draft_leaves=(0, 0)).leaves == (0, 0)
+
+
+def test_xformers_has_no_tree_masks_so_eagle_verifies_chains_there():
+    chains = EngineConfig(attention_backend="xformers", speculative_config={"method": "eagle"})
+    assert chains.speculative_config.leaves == ()
+    with pytest.raises(ValueError, match="draft_leaves needs tree masks"):
+        EngineConfig(attention_backend="xformers",
+                     speculative_config={"method": "eagle", "draft_leaves": (2,)})  # fmt: skip
+    assert EngineConfig(speculative_config={"method": "eagle"}).speculative_config.leaves
 
 
 def _scheduled(n: int) -> list:
