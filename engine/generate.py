@@ -265,8 +265,9 @@ def _summary(llm: LLM, outputs: list[RequestOutput], seconds: float) -> str:
         )
         summary += (
             f"\nspeculation: {stats.num_draft_tokens} drafted, {stats.num_accepted_tokens} "
-            f"accepted ({stats.acceptance_rate:.1%}), {stats.mean_accepted_length:.2f} tokens "
-            f"per verification, acceptance by position [{by_pos}]"
+            f"accepted ({stats.acceptance_rate:.1%}; {stats.num_leaf_tokens} at draft-tree "
+            f"leaves), {stats.mean_accepted_length:.2f} tokens per verification, acceptance by "
+            f"position [{by_pos}]"
         )
     return summary
 
