@@ -94,8 +94,9 @@ def take_turns(systems: dict, requests: list[BenchRequest], passes: int = 1) -> 
             by_position = map(sum, zip(*(s["accepted_by_position"] for s in stats), strict=True))
             result |= {"acceptance_rate": accepted / total("draft_tokens"),
                        "mean_accepted_length": (accepted + rounds) / rounds,
-                       "leaf_tokens_per_verification": total("leaf_tokens") / rounds,
                        "acceptance_by_position": [a / rounds for a in by_position]}  # fmt: skip
+            if total("leaf_tokens"):  # a draft tree's tokens from leaves
+                result["leaf_tokens_per_verification"] = total("leaf_tokens") / rounds
         results[name] = result | {"outputs": [r[1] for r in runs]}
     return results
 

@@ -446,7 +446,7 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
         assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))
         assert runs[name]["temperature"] == (0.0 if name.count("-t") == 0 else 0.8)
     assert runs["eagle-t"]["acceptance_rate"] > 0
-    assert runs["eagle-chain"]["leaf_tokens_per_verification"] == 0  # leaves: the default only
+    assert "leaf_tokens_per_verification" not in runs["eagle-chain"]  # chains have no leaves
     for r in runs.values():  # the pooled rate is the passes' rates weighted by their seconds
         by_pass = r["tokens_per_s_by_pass"]
         assert len(by_pass) == 2 and min(by_pass) <= r["tokens_per_s"] <= max(by_pass)
