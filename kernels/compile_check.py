@@ -49,9 +49,10 @@ def variants(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[dict]:
         block_ms = sorted({v.block_m for v in attention_variants(GROUP, 0, limit)})
         # the cache: the model's dtype, or 16-bit under float32 (kv_cache_dtype)
         for cache in (dtype, *(("fp16", "bf16") if dtype == "fp32" else ())):
-            for block_m, split in itertools.product(block_ms, (False, True)):
+            # tree: draft-tree verification's tree-mask variant
+            for block_m, split, tree in itertools.product(block_ms, *[(False, True)] * 2):
                 out.append(dict(kernel="attention", dtype=dtype, cache=cache, block_d=block_d,
-                                block_m=block_m, split=split))  # fmt: skip
+                                block_m=block_m, split=split, tree=tree))  # fmt: skip
             out.append(dict(kernel="write_kv", dtype=dtype, cache=cache, block_d=block_d))
         for p2 in (2**p for p in range(1, _MAX_SPLITS.bit_length())):
             out.append(dict(kernel="merge", dtype=dtype, block_d=block_d, splits_p2=p2))
@@ -72,13 +73,14 @@ def _source(v: dict):
         ptrs |= {n: f"*{v['cache']}" for n in ("k_ptr", "v_ptr")}
         ptrs |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
         ptrs |= {n: "*i32" for n in ("block_tables_ptr", "cu_query_lens_ptr", "seq_lens_ptr")}
+        ptrs["tree_mask_ptr"] = "*i64" if v["tree"] else "*i32"  # unread without TREE
         config = ta.kernel_config(
             _torch_dtype(dtype), v["block_d"], v["block_m"], _torch_dtype(v["cache"])
         )
         consts = dict(GROUP=GROUP, BLOCK_M=v["block_m"], BLOCK_Q=v["block_m"] // GROUP,
                       BLOCK_N=config.block_n, BLOCK_D=v["block_d"], BLOCK_SIZE=BLOCK_SIZE,
                       SPLIT_KV=v["split"], DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                      stride_bt_m=1)  # fmt: skip
+                      TREE=v["tree"], stride_bt_m=1)  # fmt: skip
         options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     elif v["kernel"] == "merge":
         kernel = ta._merge_kernel

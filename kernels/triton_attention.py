@@ -128,8 +128,6 @@ def _attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if TREE:  # bit j clear: span token j (j < 64) is hidden from the row
-        tree_bits = tl.load(tree_mask_ptr + tok_abs, mask=row_ok, other=-1)
 
     # Causal limit of the tile's last row (exclusive); this split's share of [0, kv_end).
     kv_end = context + tl.minimum(tile_q0 + BLOCK_Q, q_len)
@@ -156,10 +154,12 @@ def _attention_kernel(
         )
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        if TREE:
+        if TREE:  # bit j clear: span token j (j < 64) is hidden from the row
+            # loaded per tile, not held across the loop: that spilled registers at BLOCK_M 32-64
+            bits = tl.load(tree_mask_ptr + tok_abs, mask=row_ok, other=-1)
             rel = (pos - context).to(tl.int64)
             shift = tl.minimum(tl.maximum(rel, 0), 63)
-            on_tree = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
+            on_tree = ((bits[:, None] >> shift[None, :]) & 1) != 0
             seen = seen & (on_tree | (rel[None, :] < 0) | (rel[None, :] >= 64))
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX_COMBINE))
@@ -312,6 +312,11 @@ _NARROW_CACHE_CONFIGS = {
     (128, 16): KernelConfig(32, 8, 1),
     (128, 32): KernelConfig(16, 16, 1),
 }
+# A tree-mask variant (TREE) under the configs above spills up to this many bytes of registers
+# in 10 of its 148 variants (kernels.compile_check); halving BLOCK_N, one stage or twice the
+# warps each left 5-10 spilling. Tree launches are draft verifications of a few tokens a
+# sequence; their cost was not timed (no GPU lent).
+TREE_STACK_LIMIT = 16
 # Head dims past 128 (no model served here has them): small tiles, not compile-checked.
 _WIDE_HEAD_CONFIG = KernelConfig(16, 8, 1)
 
@@ -327,7 +332,8 @@ def kernel_config(
 ) -> KernelConfig:
     """Launch config per (query dtype, padded head dim, BLOCK_M), and the cache's dtype where it
     differs (None: the query's): see _CONFIGS and _NARROW_CACHE_CONFIGS. Head dims up to 64 use
-    the 64 entries (smaller tiles fit wherever those do)."""
+    the 64 entries (smaller tiles fit wherever those do). Tree-mask launches take the same
+    configs (their small spills: TREE_STACK_LIMIT)."""
     if block_d > 128:
         return _WIDE_HEAD_CONFIG
     key = max(64, block_d), min(64, block_m)
