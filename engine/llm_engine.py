@@ -253,10 +253,7 @@ class LLMEngine:
             num_computed = end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
             if leaf is not None and len(kept) == len(res.token_ids):  # the leaf's KV is kept
                 depth = len(kept) - 1  # the leaf's token is the last but one
-                size = self.config.block_size
-                self.runner.move_kv(
-                    [(_slot(s, s.start + leaf, size), _slot(s, s.start + depth, size))]
-                )
+                self.runner.move_kv(list(s.block_table), [(s.start + leaf, s.start + depth)])
                 if hidden is not None:  # its rows by position, as the proposer reads them
                     hidden = torch.cat([hidden[:depth], hidden[leaf : leaf + 1]])
             target = TargetStep(s.start, hidden, num_computed)
@@ -328,10 +325,6 @@ class LLMEngine:
             self.outputs.new_sample(request, seq, index).finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         return self.outputs.output(request)
-
-
-def _slot(s: ScheduledSequence, position: int, block_size: int) -> int:
-    return s.block_table[position // block_size] * block_size + position % block_size
 
 
 def _split_rows(hidden: torch.Tensor | None, spans: list[Span]) -> list[torch.Tensor | None]:

@@ -9,7 +9,7 @@ snapshot): it never asks the block manager.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,22 +66,30 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of whole blocks (the other KV copy the engine makes is ``move_kv``)."""
-        if not pairs:
-            return
-        src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        self._copy_rows(pairs, lambda cache: cache)
 
-    def move_kv(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each (src, dst) slot's K/V in every layer: an accepted draft-tree leaf's K/V,
-        written at its slot in the span, to its position's slot (engine.spec_decode.tree)."""
+    def move_kv(self, block_table: Sequence[int], moves: list[tuple[int, int]]) -> None:
+        """Copy the K/V of each (src, dst) position of the sequence ``block_table`` addresses, in
+        every layer: an accepted draft-tree leaf's K/V, written at its slot in the span, to its
+        position's (engine.spec_decode.tree)."""
+        size = self.block_size
+
+        def slot(pos: int) -> int:
+            return block_table[pos // size] * size + pos % size
+
+        pairs = [(slot(src), slot(dst)) for src, dst in moves]
+        self._copy_rows(pairs, lambda cache: cache.view(-1, *cache.shape[2:]))
+
+    def _copy_rows(
+        self, pairs: list[tuple[int, int]], rows: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """cache[dst] = cache[src] over ``rows(cache)`` (blocks, or slots) of every K and V."""
         if not pairs:
             return
         src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs, strict=True))
         for cache in (c for layer in self.kv_caches for c in layer):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[dst] = flat[src]
+            view = rows(cache)
+            view[dst] = view[src]
 
     def _index_tensors(
         self, int64: list[list[int]], int32: list[list[int]], tables: list[list[int]]

@@ -158,9 +158,9 @@ class DistributedRunner:
         if pairs:
             self.group.call(self.index, "copy_blocks", (pairs,), self.runner.copy_blocks)
 
-    def move_kv(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            self.group.call(self.index, "move_kv", (pairs,), self.runner.move_kv)
+    def move_kv(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+        if moves:
+            self.group.call(self.index, "move_kv", (block_table, moves), self.runner.move_kv)
 
     def forward(
         self,
