@@ -28,6 +28,7 @@ SERVING_PEER = "transformers"
 DEMO_PEAK_GB = 0.9
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
+    "eagle-k4-l3": "eagle, chains of k, 3 leaves",
     "eagle-chain": "eagle, no leaves", "eagle-t-chain": "eagle, sampled drafts, no leaves",
     "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip
@@ -221,7 +222,8 @@ def render_latency(p: dict) -> list[str]:
 SPEC_COLUMNS = (
     "workload={w} | system={system} | speculation={label} | tok/s={r[tokens_per_s]:.1f} | "
     "speedup={speedup:.2f} | acceptance={r[acceptance_rate]:.0%} | "
-    "tokens/round={r[mean_accepted_length]:.2f} | acceptance by draft position={by_position} | "
+    "tokens/round={r[mean_accepted_length]:.2f} | drafts/round={r[drafts_per_verification]:.2f} | "
+    "acceptance by draft position={by_position} | "
     "same tokens={r[same_tokens_as_reference]:.0%}"
 )
 SWEEP_COLUMNS = (
@@ -300,8 +302,7 @@ def _render_eagle(e: dict) -> list[str]:
     rows = [{"label": EAGLE_LABELS[name], "r": r,
              "speedup": r["tokens_per_s"] / reference[r["temperature"] > 0]["tokens_per_s"],
              "by_pass": _speedup_by_pass(r, reference[r["temperature"] > 0]),
-             "drafts": (r["mean_accepted_length"] - 1) / r["acceptance_rate"]
-             if r.get("acceptance_rate") else 0.0,
+             "drafts": r.get("drafts_per_verification", 0.0),
              "by_position": " / ".join(f"{a:.0%}" for a in r.get("acceptance_by_position", [])),
              "leaves": f"{r['leaf_tokens_per_verification']:.2f}"
              if r.get("leaf_tokens_per_verification") is not None else ""}

@@ -5,9 +5,9 @@ data/spec_prompts.jsonl; pagedspec without and with ngram k in --k-values, HF ``
 and with prompt lookup k. eagle: the EAGLE head (--eagle-head; default: the one shipped for the
 default model) on held-out chat (data/chat_heldout.jsonl), batch 1, k=4, at temperature 0 and 0.8
 (also argmax drafts, ``sample_drafts=False``, chains without the default draft tree's leaves,
-and at temperature 0 chains always of k): speedups, tokens per verification (and of them, tokens
-from draft-tree leaves), acceptance per draft position, and the draft cost: median ``propose``
-call drafting k tokens, per token, over the
+and at temperature 0 chains always of k, with the default leaves and with one more): speedups,
+tokens per verification (and of them, tokens from draft-tree leaves), acceptance per draft
+position, and the draft cost: median ``propose`` call drafting k tokens, per token, over the
 median target ``ModelRunner.forward`` without speculation (both timed by wrapping the methods).
 Batch-1 configurations take turns on each prompt after a warm-up pass (stop at EOS or max tokens);
 the EAGLE ones --eagle-passes times over their prompts, each pass's speedup reported beside the
@@ -35,14 +35,18 @@ DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 5, 4, 0.8
 HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).
-# "eagle" is the engine default (chains stop at min_draft_confidence, leaves beside the first
-# draft: DEFAULT_DRAFT_LEAVES); "-chain" without leaves; "eagle-k4" always drafts k, which the
-# tokens-per-verification figure at k=4 and the draft cost are measured on.
+# "eagle" is the engine default (chains stop at min_draft_confidence, DEFAULT_DRAFT_LEAVES
+# leaves where their paths score best); "-chain" without leaves; "eagle-k4" always drafts k,
+# which the tokens-per-verification figure at k=4 and the draft cost are measured on, and
+# "eagle-k4-l3" with one leaf more than the default (a wider tree: more tokens per
+# verification, each verified row costing more time on a CPU).
 T, ARGMAX, FULL = TEMPERATURE, {"sample_drafts": False}, {"min_draft_confidence": 0.0}
-CHAIN = {"draft_leaves": ()}
+CHAIN, WIDE = {"draft_leaves": 0}, {"min_draft_confidence": 0.0, "draft_leaves": 3}
 EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "eagle-chain": (0.0, CHAIN),
-              "eagle-k4": (0.0, FULL), "none-t": (T, None), "eagle-t": (T, {}),
-              "eagle-t-chain": (T, CHAIN), "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
+              "eagle-k4": (0.0, FULL), "eagle-k4-l3": (0.0, WIDE), "none-t": (T, None),
+              "eagle-t": (T, {}), "eagle-t-chain": (T, CHAIN),
+              "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
+GREEDY_EAGLE = ["eagle", "eagle-chain", "eagle-k4", "eagle-k4-l3"]
 
 
 @torch.inference_mode()
@@ -94,6 +98,7 @@ def take_turns(systems: dict, requests: list[BenchRequest], passes: int = 1) -> 
             by_position = map(sum, zip(*(s["accepted_by_position"] for s in stats), strict=True))
             result |= {"acceptance_rate": accepted / total("draft_tokens"),
                        "mean_accepted_length": (accepted + rounds) / rounds,
+                       "drafts_per_verification": total("draft_tokens") / rounds,
                        "acceptance_by_position": [a / rounds for a in by_position]}  # fmt: skip
             if total("leaf_tokens"):  # a draft tree's tokens from leaves
                 result["leaf_tokens_per_verification"] = total("leaf_tokens") / rounds
@@ -208,7 +213,7 @@ def run_eagle(args, spec) -> dict:
     full = lambda scheduled, ks, *_: max(ks, default=0) == EAGLE_K  # drafts k tokens
     draft_s = clocked(engines[tuple(FULL.items())].spec.proposer, "propose", full)
     runs = take_turns(systems, requests, args.eagle_passes)
-    same_tokens(runs, "none", ["eagle", "eagle-chain", "eagle-k4", "none"])  # greedy: lossless
+    same_tokens(runs, "none", [*GREEDY_EAGLE, "none"])  # greedy: lossless
     for name, r in runs.items():
         r["temperature"] = EAGLE_RUNS[name][0]
         r.pop("outputs", None)  # sampled: no reference to match

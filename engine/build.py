@@ -109,7 +109,7 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         heads = int(model_config.num_attention_heads) // shard.size
         kernels.warmup(
             heads, *local.kv_caches[0], max_context, config.attention_backend, query_dtype=dtype,
-            trees=index == 0 and spec is not None and any(spec.leaves),  # the target verifies
+            trees=index == 0 and spec is not None and spec.leaves > 0,  # the target verifies
         )  # fmt: skip
         if index == 0 and tp is None and uses_cuda_graphs(config, device):
             local.graphs = DecodeGraphs(

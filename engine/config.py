@@ -38,12 +38,16 @@ class ChainStop:
 # prompts 0-7 greedy 0.3 led by ~2% (the sweep script and its runs: issue 14's notes).
 DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.3)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
-# The shipped head's draft tree: its 2nd and 3rd choices for the first draft as leaves. Chosen on
-# held-out chat prompts 8-23 (the benchmark measures 0-7) at batch 1, k=4, every configuration
-# taking turns on each prompt, two passes: greedy (2,) 1.57x, (2, 1) 1.56x, (1,) 1.55x, chains
-# only 1.53x; at temperature 0.8 (2,) 1.38x, (3, 1) 1.37x, (2, 1) 1.35x, chains 1.29x. A leaf
-# costs a verified row: on this CPU a span of 6 rows costs ~6% more than one of 3.
-DEFAULT_DRAFT_LEAVES: tuple[int, ...] = (2,)
+# The shipped head's draft tree: two leaves beside its chain, placed by score. Measured at batch
+# 1, k=4, on held-out chat prompts 8-39 (the benchmark measures 0-7), every configuration taking
+# turns on each prompt against no speculation (python -m benchmarks.eagle_sweep; the previous
+# tree by a script that emulated it, in issue 14's notes). Greedy, two passes over 8-23 / 24-39:
+# scored 1.46x / 1.50x, the first draft's 2nd and 3rd choices (the previous default) 1.44x /
+# 1.49x, chains only 1.45x / 1.44x, three scored leaves 1.45x / 1.47x; temperature 0.8 (8-23):
+# 1.35x, 1.34x, 1.31x and 1.29x. Drafting k=4 always (8-23), tokens per verification: 2.42
+# scored, 2.32 the previous tree, 2.56 with three leaves, 1.96 chains. A leaf costs a verified
+# row, ~0.2-0.5 ms on this CPU as its memory is fast or slow.
+DEFAULT_DRAFT_LEAVES = 2
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 
 
@@ -75,11 +79,14 @@ class SpeculativeConfig:
     requests, 0.3 for sampled ones), 0 (every chain runs to k) for a draft model. Which drafts
     are made depends on q alone, never on the target's p, so verification stays exact.
 
-    ``draft_leaves`` (eagle): ``draft_leaves[d]`` more of the head's top-ranked tokens at draft
-    depth d + 1 are verified as leaves beside the chain's draft there, in the same forward (a
-    draft tree: ``engine.spec_decode.tree``). Where the chain is rejected at a depth whose leaf
-    holds the token the target emits instead, the leaf's row gives one more token. None: the
-    eagle default ``DEFAULT_DRAFT_LEAVES``; () verifies chains only.
+    ``draft_leaves`` (eagle): this many more of the head's tokens are verified as leaves beside
+    the chain, in the same forward (a draft tree: ``engine.spec_decode.tree``). At every depth
+    the chain reaches, the head's next-best tokens there are candidates, each scored by the
+    probability of its path: the product of the chain's top-1 probabilities above it, times its
+    own (EAGLE-2's ranking: a leaf goes where the head expects the chain to be rejected, most
+    often beside an unsure first draft); the best-scored ones are verified. Where the chain is
+    rejected at a depth whose leaf holds the token the target emits instead, the leaf's row
+    gives one more token. None: ``DEFAULT_DRAFT_LEAVES`` for eagle; 0 verifies chains only.
     """
 
     method: str = "ngram"
@@ -95,7 +102,7 @@ class SpeculativeConfig:
     # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
     sample_drafts: bool = True
     min_draft_confidence: float | None = None
-    draft_leaves: tuple[int, ...] | None = None
+    draft_leaves: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -117,23 +124,15 @@ class SpeculativeConfig:
             raise ValueError("draft_model is required when method='draft'")
         leaves = self.draft_leaves
         if leaves is not None:
-            if not isinstance(leaves, tuple | list) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in leaves
-            ):
-                raise ValueError(f"draft_leaves must be a tuple of integers >= 0, got {leaves!r}")
-            if any(leaves) and self.method != "eagle":
+            if not isinstance(leaves, int) or isinstance(leaves, bool) or leaves < 0:
+                raise ValueError(f"draft_leaves must be an integer >= 0, got {leaves!r}")
+            if leaves and self.method != "eagle":
                 raise ValueError(f"draft_leaves needs method='eagle', got {self.method!r}")
-            if len(leaves) > self.num_speculative_tokens:
+            if self.num_speculative_tokens + leaves >= MAX_TREE_TOKENS:
                 raise ValueError(
-                    f"draft_leaves has a count per draft depth: at most num_speculative_tokens="
-                    f"{self.num_speculative_tokens} of them, got {len(leaves)}"
+                    f"num_speculative_tokens + draft_leaves must be < {MAX_TREE_TOKENS} "
+                    f"(one verified span), got {self.num_speculative_tokens + leaves}"
                 )
-            if self.num_speculative_tokens + sum(leaves) >= MAX_TREE_TOKENS:
-                raise ValueError(
-                    f"num_speculative_tokens + sum(draft_leaves) must be < {MAX_TREE_TOKENS} "
-                    f"(one verified span), got {self.num_speculative_tokens + sum(leaves)}"
-                )
-            object.__setattr__(self, "draft_leaves", tuple(leaves))
 
     @property
     def draft_skip(self) -> int:
@@ -151,11 +150,11 @@ class SpeculativeConfig:
         return DEFAULT_CHAIN_STOP if self.method == "eagle" else NO_CHAIN_STOP
 
     @property
-    def leaves(self) -> tuple[int, ...]:
+    def leaves(self) -> int:
         """``draft_leaves`` with its per-method default filled in."""
         if self.draft_leaves is not None:
             return self.draft_leaves
-        return DEFAULT_DRAFT_LEAVES if self.method == "eagle" else ()
+        return DEFAULT_DRAFT_LEAVES if self.method == "eagle" else 0
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -220,13 +219,13 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         spec = SpeculativeConfig.of(self.speculative_config)
-        if spec is not None and self.attention_backend == "xformers" and any(spec.leaves):
+        if spec is not None and self.attention_backend == "xformers" and spec.leaves:
             if spec.draft_leaves is not None:
                 raise ValueError(
                     "draft_leaves needs tree masks, which attention_backend 'xformers' lacks "
                     "(triton, cpu and torch have them)"
                 )
-            spec = replace(spec, draft_leaves=())  # the default tree: chains instead
+            spec = replace(spec, draft_leaves=0)  # the default tree: chains instead
         object.__setattr__(self, "speculative_config", spec)
 
     @classmethod

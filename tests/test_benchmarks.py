@@ -20,6 +20,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 from benchmarks import (
     block_manager,
+    eagle_sweep,
     kernels,
     layer_stack,
     linear,
@@ -423,6 +424,27 @@ def test_spec_decode_is_lossless(tiny_llama, bench_dir):
     assert "## Speculative decoding" in report.render(bench_dir, bench_dir / "RESULTS.md")
 
 
+def test_eagle_sweep_runs_each_config_against_no_speculation(tiny_llama, tmp_path, capsys):
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 512)
+    args = ["--model", tiny_llama, "--eagle-head", head, "--prompts", "2:3", "--max-tokens", "6"]
+    args += ["--passes", "1", "--configs", '[{}, {"draft_leaves": 0}]']
+    args += ["--output-dir", str(tmp_path)]
+    payload = eagle_sweep.run(eagle_sweep.build_parser().parse_args(args))
+    assert json.loads((tmp_path / "eagle_sweep.json").read_text()) == payload
+    runs = payload["runs"]
+    assert list(runs) == ["none", "{}", '{"draft_leaves": 0}']
+    assert runs["none"]["speedup"] == 1.0 and "drafts_per_verification" not in runs["none"]
+    for r in runs.values():  # greedy: lossless
+        assert r["same_tokens_as_reference"] == 1.0 and r["tokens"] == runs["none"]["tokens"]
+    assert (
+        runs["{}"]["drafts_per_verification"]
+        > runs['{"draft_leaves": 0}']["drafts_per_verification"]
+    )
+    assert '{"draft_leaves": 0}' in capsys.readouterr().out
+    with pytest.raises(ValueError, match="prompts must lie in"):
+        eagle_sweep.run(eagle_sweep.build_parser().parse_args(["--prompts", "60:70"]))
+
+
 def test_spec_decode_eagle_part(tiny_llama, tmp_path):
     # A head whose q is uniform over the whole vocabulary: at temperature 0.8 its sampled drafts
     # are accepted with sum min(p, q) > 0, so acceptance by position is not all zeros.
@@ -437,10 +459,10 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
     assert payload["workloads"] == payload["batch_sweep"] == {}  # no ngram part asked for
     runs = payload["eagle"]["runs"]
     assert set(runs) == set(spec_decode.EAGLE_RUNS)
-    for name in ("eagle", "eagle-chain", "eagle-k4"):  # greedy EAGLE is lossless
+    for name in spec_decode.GREEDY_EAGLE:  # greedy EAGLE is lossless
         assert runs[name]["same_tokens_as_reference"] == 1.0
     assert "acceptance_rate" not in runs["none"] and "acceptance_rate" not in runs["none-t"]
-    for name in ("eagle", "eagle-chain", "eagle-k4", "eagle-t", "eagle-t-chain", "eagle-t-argmax"):
+    for name in set(runs) - {"none", "none-t"}:
         by_position = runs[name]["acceptance_by_position"]  # accepted at i / verifications
         assert len(by_position) == 4 and by_position == sorted(by_position, reverse=True)
         assert runs[name]["mean_accepted_length"] == pytest.approx(1 + sum(by_position))

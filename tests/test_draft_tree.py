@@ -24,17 +24,18 @@ def test_a_tree_is_its_chain_then_leaves_off_the_chain():
     assert tree.leaf_hit(drafts, [10, 21]) is None  # 21 is a depth-1 leaf, not depth 2
     assert tree.leaf_hit(drafts, [99]) is None
     assert tree.leaf_hit(drafts, [10, 11, 12, 20]) is None  # all accepted: a bonus, no leaf
-    assert tree_slots(3, (2, 1)) == 6 and tree_slots(1, (2, 1)) == 3 and tree_slots(2, ()) == 2
+    assert tree_slots(3, 2) == 5 and tree_slots(1, 2) == 3 and tree_slots(2, 0) == 2
+    assert tree_slots(0, 2) == 0  # no chain, no leaves
 
 
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(method="eagle", draft_leaves=(-1,)), "draft_leaves must be a tuple of integers"),
-        (dict(method="eagle", draft_leaves=(True,)), "draft_leaves must be a tuple of integers"),
-        (dict(method="ngram", draft_leaves=(1,)), "draft_leaves needs method='eagle'"),
-        (dict(method="eagle", num_speculative_tokens=2, draft_leaves=(1, 1, 1)), "at most"),
-        (dict(method="eagle", num_speculative_tokens=4, draft_leaves=(60,)), "must be < 64"),
+        (dict(method="eagle", draft_leaves=-1), "draft_leaves must be an integer >= 0"),
+        (dict(method="eagle", draft_leaves=True), "draft_leaves must be an integer >= 0"),
+        (dict(method="eagle", draft_leaves=(2,)), "draft_leaves must be an integer >= 0"),
+        (dict(method="ngram", draft_leaves=1), "draft_leaves needs method='eagle'"),
+        (dict(method="eagle", num_speculative_tokens=4, draft_leaves=60), "must be < 64"),
     ],
 )
 def test_bad_draft_leaves_are_refused(fields, match):
@@ -42,19 +43,19 @@ def test_bad_draft_leaves_are_refused(fields, match):
         SpeculativeConfig(**fields)
 
 
-def test_draft_leaves_defaults_and_lists():
+def test_draft_leaves_defaults():
     assert SpeculativeConfig(method="eagle").leaves == DEFAULT_DRAFT_LEAVES
-    assert SpeculativeConfig(method="eagle", draft_leaves=[2, 1]).leaves == (2, 1)
-    assert SpeculativeConfig(method="ngram").leaves == ()
-    assert SpeculativeConfig(method="ngram", draft_leaves=(0, 0)).leaves == (0, 0)
+    assert SpeculativeConfig(method="eagle", draft_leaves=5).leaves == 5
+    assert SpeculativeConfig(method="ngram").leaves == 0
+    assert SpeculativeConfig(method="ngram", draft_leaves=0).leaves == 0
 
 
 def test_xformers_has_no_tree_masks_so_eagle_verifies_chains_there():
     chains = EngineConfig(attention_backend="xformers", speculative_config={"method": "eagle"})
-    assert chains.speculative_config.leaves == ()
+    assert chains.speculative_config.leaves == 0
     with pytest.raises(ValueError, match="draft_leaves needs tree masks"):
         EngineConfig(attention_backend="xformers",
-                     speculative_config={"method": "eagle", "draft_leaves": (2,)})  # fmt: skip
+                     speculative_config={"method": "eagle", "draft_leaves": 2})  # fmt: skip
     assert EngineConfig(speculative_config={"method": "eagle"}).speculative_config.leaves
 
 
@@ -63,34 +64,50 @@ def _scheduled(n: int) -> list:
     return [SimpleNamespace(seq=s, start=2, block_table=[0]) for s in seqs]
 
 
-def test_leaves_are_the_drafters_next_best_tokens_within_each_sequences_slots():
-    """A drafter ranking tokens 0 > 1 > 2 > 3 > 4 everywhere: the chain drafts 0s, the leaves at
-    each depth are 1, 2, ... as many as leaves[depth] and the sequence's leaf slots allow."""
-    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
+# A drafter whose distribution depends on the depth only (tokens 0..4): the chain drafts 0s;
+# depth 1 is unsure, depth 2 sure, depth 3 split between tokens 0 and 1.
+DEPTH_PROBS = [[0.5, 0.3, 0.1, 0.06, 0.04], [0.9, 0.04, 0.03, 0.02, 0.01],
+               [0.4, 0.35, 0.15, 0.06, 0.04]]  # fmt: skip
+
+
+def _draft_by_depth(scheduled, ks, leaves, leaf_slots):
+    calls = []
 
     def forward(spans, owners):
-        return logits.expand(len(spans), 5).clone()
+        calls.append(owners)
+        return torch.tensor(DEPTH_PROBS[len(calls) - 1]).log().expand(len(spans), 5).clone()
 
     def draw(rows_logits, rows):
         return rows_logits.argmax(-1).tolist(), None
 
-    def alternatives(rows_logits, count, drawn):
-        top = rows_logits.topk(count + 1, dim=-1).indices.tolist()
-        return [[t for t in row if t != d][:count] for row, d in zip(top, drawn, strict=True)]
+    def alternatives(probs, count, drawn):
+        top = probs.topk(count + 1, dim=-1)
+        return [[(t, p) for t, p in zip(ids, ps, strict=True) if t != d][:count]
+                for ids, ps, d in zip(top.indices.tolist(), top.values.tolist(), drawn,
+                                      strict=True)]  # fmt: skip
 
-    scheduled = _scheduled(3)
     spans = [Span([3], 2, 1, [0]) for _ in scheduled]
     written = {s.seq.seq_id: (3, []) for s in scheduled}
-    params = [SamplingParams(temperature=0)] * 3
-    drafts, _, trees = chain_drafts(scheduled, [3, 2, 1], params, spans, forward, draw, written,
-                                    leaves=(2, 1, 1), alternatives=alternatives,
-                                    leaf_slots=[4, 1, 0])  # fmt: skip
-    assert drafts == [[0, 0, 0, 1, 2, 1, 1], [0, 0, 1], [0]]
-    assert trees == {0: DraftTree(3, (1, 1, 2, 3)), 1: DraftTree(2, (1,))}
+    params = [SamplingParams(temperature=0)] * len(scheduled)
+    return chain_drafts(scheduled, ks, params, spans, forward, draw, written, leaves=leaves,
+                        alternatives=alternatives, leaf_slots=leaf_slots)  # fmt: skip
+
+
+def test_leaves_go_where_their_paths_are_likeliest_within_each_sequences_slots():
+    """Scores: depth 1's token 1: 0.3, token 2: 0.1; depth 2's: 0.5 * 0.04 = 0.02; depth 3's
+    token 1: 0.5 * 0.9 * 0.35 = 0.1575. Two leaves: depth 1's token 1 and depth 3's token 1,
+    not depth 1's second choice. Each sequence takes at most its leaf slots, and only depths its
+    chain reaches."""
+    drafts, _, trees = _draft_by_depth(_scheduled(4), [3, 3, 1, 3], 2, [2, 1, 2, 0])
+    assert drafts == [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 2], [0, 0, 0]]
+    assert trees == {0: DraftTree(3, (1, 3)), 1: DraftTree(3, (1,)), 2: DraftTree(1, (1, 1))}
+    drafts, _, trees = _draft_by_depth(_scheduled(1), [3], 4, [4])
+    assert drafts == [[0, 0, 0, 1, 2, 1, 2]]  # then depth 3's token 2 (0.0675) over depth 1's 3
+    assert trees == {0: DraftTree(3, (1, 1, 3, 3))}
 
 
 def test_the_manager_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first():
-    config = SpeculativeConfig(method="eagle", num_speculative_tokens=3, draft_leaves=(4, 2))
+    config = SpeculativeConfig(method="eagle", num_speculative_tokens=3, draft_leaves=6)
     seen = {}
 
     class Proposer:

@@ -99,7 +99,7 @@ class EagleProposer:
         runner: ModelRunner,
         seed: int,
         chain_stop: ChainStop = NO_CHAIN_STOP,
-        leaves: tuple[int, ...] = (),
+        leaves: int = 0,
     ) -> None:
         self.runner = runner
         self.leaves = leaves
@@ -117,8 +117,8 @@ class EagleProposer:
         params: list[SamplingParams | None],
         leaf_slots: list[int] | None = None,
     ) -> Proposal:
-        """Chains of ``ks[i]`` drafts, with up to ``leaf_slots[i]`` leaves beside them (the
-        tree ``self.leaves`` asks for, cut to fit)."""
+        """Chains of ``ks[i]`` drafts, with up to min(``self.leaves``, ``leaf_slots[i]``)
+        leaves beside them (``chain_drafts``)."""
         spans, features, written, fed = [], [], {}, []
         for i, (s, k) in enumerate(zip(scheduled, ks, strict=True)):
             seq, end = s.seq, s.start  # feed positions valid..C, C = s.start
@@ -181,11 +181,17 @@ class EagleProposer:
         q[:, d2t] = q_draft
         return d2t[ids].tolist(), q
 
-    def _alternatives(self, logits: torch.Tensor, count: int, drawn: list[int]) -> list[list[int]]:
-        """Each row's ``count`` top tokens of the head's logits other than its draft, as
-        target ids (the leaves of a draft tree)."""
-        top = self.head.d2t[logits.topk(count + 1, dim=-1).indices].tolist()
-        return [[t for t in row if t != d][:count] for row, d in zip(top, drawn, strict=True)]
+    def _alternatives(
+        self, probs: torch.Tensor, count: int, drawn: list[int]
+    ) -> list[list[tuple[int, float]]]:
+        """Each row's ``count`` likeliest tokens other than its draft (target ids, with their
+        probabilities): the leaf candidates of a draft tree."""
+        top = probs.topk(min(count + 1, probs.shape[-1]), dim=-1)
+        ids, values = self.head.d2t[top.indices].tolist(), top.values.tolist()
+        return [
+            [(t, p) for t, p in zip(row, ps, strict=True) if t != d][:count]
+            for row, ps, d in zip(ids, values, drawn, strict=True)
+        ]
 
     @property
     def target_vocab_size(self) -> int:

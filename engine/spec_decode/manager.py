@@ -30,7 +30,7 @@ class SpeculationManager:
         self.max_model_len = max_model_len
         self.proposer = proposer
         self.backoff = DraftBackoff(config.draft_skip if config else 0)
-        self.leaves = config.leaves if config else ()
+        self.leaves = config.leaves if config else 0
         self.num_lookahead_slots = config.num_speculative_tokens if config else 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -47,7 +47,7 @@ class SpeculationManager:
         ``disable_batch_size``: a step that full is compute-bound and verification is no longer
         free. Otherwise k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``,
         and 0 for a sequence in backoff or with no output yet (its prompt is being computed).
-        With draft leaves the slots are those of k's tree (``tree_slots``).
+        With draft leaves, k's chain and its leaves (``tree_slots``).
         """
         config = self.config
         if config is None or num_busy >= config.disable_batch_size:
@@ -82,7 +82,7 @@ class SpeculationManager:
         params = [params_of(s.seq) if k else None for s, k in zip(scheduled, ks, strict=True)]
         if not self.config.sample_drafts:  # draft the argmax; verification sees no q
             params = [p if p is None else dataclasses.replace(p, temperature=0.0) for p in params]
-        if not any(self.leaves):
+        if not self.leaves:
             return self.proposer.propose(scheduled, ks, params)
         leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
         return self.proposer.propose(scheduled, ks, params, leaf_slots)

@@ -253,8 +253,9 @@ Forward = Callable[[list[Span], list[int]], torch.Tensor]
 Draw = Callable[
     [torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor | None]
 ]
-# (logit rows, how many, each row's draft): that many more of each row's top tokens
-Alternatives = Callable[[torch.Tensor, int, list[int]], list[list[int]]]
+# (rows of probabilities, how many, each row's draft): that many more of each row's top tokens,
+# as (token, probability)
+Alternatives = Callable[[torch.Tensor, int, list[int]], list[list[tuple[int, float]]]]
 
 
 def chain_drafts(
@@ -266,7 +267,7 @@ def chain_drafts(
     draw: Draw,
     written: dict[int, tuple[int, list[int]]],
     chain_stop: ChainStop = NO_CHAIN_STOP,
-    leaves: tuple[int, ...] = (),
+    leaves: int = 0,
     alternatives: Alternatives | None = None,
     leaf_slots: list[int] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None], dict[int, DraftTree]]:
@@ -276,38 +277,43 @@ def chain_drafts(
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
     in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
     probabilities (softmax of the raw logits) falls below ``chain_stop``'s threshold for the
-    request (greedy or sampled). With ``leaves``, ``alternatives`` adds ``leaves[t]`` more of
-    the drafter's top tokens at each depth t + 1 the chain reaches, as leaves of a DraftTree
-    (``engine.spec_decode.tree``), at most ``leaf_slots[i]`` for sequence i. Returns the
-    drafts (the chain, then any leaves), per sequence q stacked where the chain was sampled
-    (None where argmax), and the trees."""
+    request (greedy or sampled).
+
+    With ``leaves``, sequence i also gets up to min(leaves, ``leaf_slots[i]``) leaves of a
+    DraftTree (``engine.spec_decode.tree``): ``alternatives`` gives each depth's next-best tokens
+    (other than the chain's draft there), each scored by its path's probability, the product of
+    the chain's top-1 probabilities above it times its own, and the best-scored are kept (ties:
+    the shallower, then the higher-ranked). Returns the drafts (the chain, then any leaves by
+    depth), per sequence q stacked where the chain was sampled (None where argmax), and the
+    trees."""
     drafts: list[list[int]] = [[] for _ in scheduled]
-    leaf_tokens: list[list[int]] = [[] for _ in scheduled]
-    leaf_depths: list[list[int]] = [[] for _ in scheduled]
+    # per sequence: (-score, depth, rank, token) of each leaf candidate
+    candidates: list[list[tuple[float, int, int, int]]] = [[] for _ in scheduled]
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
-    confidence = [1.0] * len(scheduled)
+    confidence = [1.0] * len(scheduled)  # the chain's path: its top-1 probabilities' product
     active = [i for i, k in enumerate(ks) if k]
     stop = {i: chain_stop.threshold(params[i].greedy) for i in active}
+    with_leaves = bool(leaves) and alternatives is not None and leaf_slots is not None
     logits = forward(spans, list(range(len(spans))))
     step = 0
     while active:
         rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
                 for i in active]  # fmt: skip
         tokens, q = draw(logits, rows)
-        if any(stop[i] > 0 for i in active):
-            top = torch.softmax(logits.float(), -1).amax(-1).tolist()
+        if with_leaves or any(stop[i] > 0 for i in active):
+            head_probs = torch.softmax(logits.float(), -1)
+            if with_leaves:
+                more = alternatives(head_probs, leaves, tokens)
+                for j, i in enumerate(active):
+                    candidates[i] += [(-confidence[i] * p, step + 1, rank, token)
+                                      for rank, (token, p) in enumerate(more[j])]  # fmt: skip
+            top = head_probs.amax(-1).tolist()
             for j, i in enumerate(active):
                 confidence[i] *= top[j]
         for j, i in enumerate(active):
             drafts[i].append(tokens[j])
             if q is not None:  # None: every row greedy, and greedy drafts keep no q
                 probs[i].append(q[j])
-        if step < len(leaves) and leaves[step] and alternatives is not None and leaf_slots:
-            for j, more in enumerate(alternatives(logits, leaves[step], tokens)):
-                i = active[j]
-                more = more[: leaf_slots[i] - len(leaf_tokens[i])]
-                leaf_tokens[i] += more
-                leaf_depths[i] += [step + 1] * len(more)
         active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= stop[i]]
         if not active:
             break
@@ -322,12 +328,15 @@ def chain_drafts(
         torch.stack(q) if p is not None and not p.greedy else None
         for p, q in zip(params, probs, strict=True)
     ]
-    trees = {
-        i: DraftTree(len(drafts[i]), tuple(leaf_depths[i]))
-        for i in range(len(scheduled))
-        if leaf_tokens[i]
-    }
-    return [d + leaf for d, leaf in zip(drafts, leaf_tokens, strict=True)], sampled, trees
+    trees = {}
+    for i, found in enumerate(candidates):
+        if not found:
+            continue
+        kept = sorted(sorted(found)[: min(leaves, leaf_slots[i])], key=lambda c: c[1:3])
+        if kept:
+            trees[i] = DraftTree(len(drafts[i]), tuple(depth for _, depth, _, _ in kept))
+            drafts[i] = drafts[i] + [token for *_, token in kept]
+    return drafts, sampled, trees
 
 
 def _history(s: ScheduledSequence, params: SamplingParams, drafts: list[int]) -> TokenHistory:

@@ -1,9 +1,10 @@
 """Draft trees: a chain of drafts with leaves beside it, verified in one forward.
 
-A tree here is the chain a drafter makes (d_1 .. d_n, each following the one before) plus, at
-some depths, leaves: more of the drafter's top-ranked tokens for that depth, siblings of d_t
-that nothing follows. The target verifies every node in one span (``Span.parents``): a node's
-row is the target's distribution after its root-to-node path.
+A tree here is the chain a drafter makes (d_1 .. d_n, each following the one before) plus
+leaves: more of the drafter's top-ranked tokens at some depth t, siblings of d_t that nothing
+follows, placed where their paths are likeliest (``proposers.chain_drafts``). The target
+verifies every node in one span (``Span.parents``): a node's row is the target's distribution
+after its root-to-node path.
 
 Verification is the chain's, unchanged (exact match or ``rejection_sample``), then one step
 more: where the chain stops at depth t with the token y (a recovered or mismatch token), and a
@@ -47,6 +48,6 @@ class DraftTree:
         return None
 
 
-def tree_slots(depth: int, leaves: Sequence[int]) -> int:
-    """Draft slots of a chain of ``depth`` drafts with ``leaves[t]`` leaves at depth t + 1."""
-    return depth + sum(leaves[:depth])
+def tree_slots(depth: int, leaves: int) -> int:
+    """Draft slots of a chain of ``depth`` drafts with up to ``leaves`` leaves beside it."""
+    return depth + leaves if depth else 0
