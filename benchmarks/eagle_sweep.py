@@ -16,6 +16,7 @@ import os
 from benchmarks import workload
 from benchmarks.spec_decode import HELDOUT, engine_call, same_tokens, take_turns
 from benchmarks.workload import BenchRequest, kv_blocks_needed
+from engine.config import DEFAULT_DRAFT_LEAVES
 from engine.llm import render_chat
 
 
@@ -28,7 +29,8 @@ def run(args) -> dict:
     requests = [BenchRequest(render_chat(spec.tokenizer, r["messages"])[1], args.max_tokens)
                 for r in records[first - 1 : last]]  # fmt: skip
     configs = json.loads(args.configs)
-    blocks = kv_blocks_needed(requests, 1, args.k + max(c.get("draft_leaves", 2) for c in configs))
+    leaves = max(c.get("draft_leaves", DEFAULT_DRAFT_LEAVES) for c in configs)
+    blocks = kv_blocks_needed(requests, 1, args.k + leaves)
     eagle = {"method": "eagle", "num_speculative_tokens": args.k, "draft_model": args.eagle_head}
     systems = {}
     for config in [None, *configs]:
