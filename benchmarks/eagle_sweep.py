@@ -14,20 +14,18 @@ import json
 import os
 
 from benchmarks import workload
-from benchmarks.spec_decode import HELDOUT, engine_call, same_tokens, take_turns
+from benchmarks.spec_decode import engine_call, heldout_chat_prompts, same_tokens, take_turns
 from benchmarks.workload import BenchRequest, kv_blocks_needed
 from engine.config import DEFAULT_DRAFT_LEAVES
-from engine.llm import render_chat
 
 
 def run(args) -> dict:
     spec = workload.resolve_model(args.model, "auto", None)
     first, last = workload.parse_range(args.prompts, "prompts")
-    records = [json.loads(x) for x in HELDOUT.read_text().splitlines() if x.strip()]
-    if last > len(records):
-        raise ValueError(f"prompts must lie in 1:{len(records)}, got {args.prompts!r}")
-    requests = [BenchRequest(render_chat(spec.tokenizer, r["messages"])[1], args.max_tokens)
-                for r in records[first - 1 : last]]  # fmt: skip
+    prompts = heldout_chat_prompts(spec.tokenizer)
+    if last > len(prompts):
+        raise ValueError(f"prompts must lie in 1:{len(prompts)}, got {args.prompts!r}")
+    requests = [BenchRequest(p, args.max_tokens) for p in prompts[first - 1 : last]]
     configs = json.loads(args.configs)
     leaves = max(c.get("draft_leaves", DEFAULT_DRAFT_LEAVES) for c in configs)
     blocks = kv_blocks_needed(requests, 1, args.k + leaves)

@@ -41,12 +41,12 @@ HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # "eagle-k4-l3" with one leaf more than the default (a wider tree: more tokens per
 # verification, each verified row costing more time on a CPU).
 T, ARGMAX, FULL = TEMPERATURE, {"sample_drafts": False}, {"min_draft_confidence": 0.0}
-CHAIN, WIDE = {"draft_leaves": 0}, {"min_draft_confidence": 0.0, "draft_leaves": 3}
+CHAIN, WIDE = {"draft_leaves": 0}, FULL | {"draft_leaves": 3}
 EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "eagle-chain": (0.0, CHAIN),
               "eagle-k4": (0.0, FULL), "eagle-k4-l3": (0.0, WIDE), "none-t": (T, None),
               "eagle-t": (T, {}), "eagle-t-chain": (T, CHAIN),
               "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
-GREEDY_EAGLE = ["eagle", "eagle-chain", "eagle-k4", "eagle-k4-l3"]
+GREEDY_EAGLE = [n for n, (t, config) in EAGLE_RUNS.items() if t == 0 and config is not None]
 
 
 @torch.inference_mode()
@@ -195,10 +195,15 @@ def run_ngram(args, spec) -> tuple[dict, dict]:
     }
 
 
+def heldout_chat_prompts(tokenizer) -> list[list[int]]:
+    """The held-out chat prompts (``HELDOUT``), rendered with the chat template."""
+    records = [json.loads(x) for x in HELDOUT.read_text().splitlines() if x.strip()]
+    return [render_chat(tokenizer, r["messages"])[1] for r in records]
+
+
 def run_eagle(args, spec) -> dict:
     """The EAGLE part (see the module doc)."""
-    records = [json.loads(x) for x in HELDOUT.read_text().splitlines() if x.strip()]
-    prompts = [render_chat(spec.tokenizer, r["messages"])[1] for r in records[: args.eagle_prompts]]
+    prompts = heldout_chat_prompts(spec.tokenizer)[: args.eagle_prompts]
     requests = [BenchRequest(p, args.eagle_max_tokens) for p in prompts]
     blocks = kv_blocks_needed(requests, 1, EAGLE_K)
     eagle = {"method": "eagle", "draft_model": args.eagle_head, "num_speculative_tokens": EAGLE_K}
