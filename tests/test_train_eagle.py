@@ -453,6 +453,46 @@ def test_cli_hands_stage_0_the_prompts_it_must_not_repeat(tmp_path, monkeypatch,
         cli.main(argv)  # the same work dir without the flag is another configuration
 
 
+def test_cli_puts_the_prompts_file_last_and_refuses_held_out_lines(
+    tmp_path, monkeypatch, tiny_llama
+):
+    """--prompts-file: its lines follow the template and Magpie prompts into stage 1, stage 0
+    must not repeat them, meta.json pins the file's content, and a held-out chat prompt in it
+    (case and spacing aside) is a ValueError before any stage."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Foxes?"}]}) + "\n")
+    extra = tmp_path / "extra.txt"
+    extra.write_text("How do owls hunt?\n\n  Why is snow white?  \n")
+    seen, answered = {}, {}
+
+    def fake_magpie(llm_factory, count, work_dir, seen_prompts, on_done=None):
+        seen["prompts"] = list(seen_prompts)
+        return ["A Magpie prompt."]
+
+    def fake_answers(llm_factory, prompts, *args, **kwargs):
+        answered["prompts"] = list(prompts)
+        raise _Stop
+
+    monkeypatch.setattr(magpie, "synthesize_prompts", fake_magpie)
+    monkeypatch.setattr(data, "generate_answers", fake_answers)
+    work = tmp_path / "work"
+    argv = ["--model", tiny_llama, "--out", str(tmp_path / "head"), "--work-dir", str(work),
+            "--num-prompts", "3", "--heldout-chat", str(chat), "--magpie-prompts", "1"]  # fmt: skip
+    with pytest.raises(_Stop):
+        cli.main([*argv, "--prompts-file", str(extra)])
+    file_prompts = ["How do owls hunt?", "Why is snow white?"]
+    assert seen["prompts"] == make_prompts(3) + file_prompts + ["Foxes?"]
+    assert answered["prompts"] == make_prompts(3) + ["A Magpie prompt."] + file_prompts
+    assert "prompts_file_sha256" in json.loads((work / "meta.json").read_text())
+    extra.write_text("How do owls hunt?\n")
+    with pytest.raises(ValueError, match="holds data made with"):
+        cli.main([*argv, "--prompts-file", str(extra)])  # another file is another data set
+    extra.write_text("How do owls hunt?\n  foxes? \n")
+    with pytest.raises(ValueError, match=r"--prompts-file .*1 line\(s\) are held-out .*'foxes\?'"):
+        cli.main([*argv, "--prompts-file", str(extra), "--work-dir", str(tmp_path / "w2")])
+    assert not (tmp_path / "w2").exists()  # checked before any stage
+
+
 def test_engine_features_equal_hf_teacher_forcing(tiny_llama):
     """Stage 2 runs the engine's target over packed prefills of several conversations (spans
     of different lengths, more of them than fit one forward): each one's features are HF's

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import hashlib
 import json
 import math
 import os
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="user prompts the target writes itself (Magpie), after the --num-prompts ones",
+    )
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="more user prompts, one per line, after the template and Magpie ones (none may be "
+        "a held-out chat prompt)",
     )
     p.add_argument("--max-tokens", type=int, default=160, help="answer length cap")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -149,6 +156,21 @@ def _init_head(head: EagleHead, path: str) -> None:
         raise ValueError(f"--init-from {path}: missing {sorted(missing)}")
 
 
+def _read_prompts_file(path: str, heldout: list[str]) -> list[str]:
+    """The non-blank lines of ``path``; a held-out chat prompt among them (case and spacing
+    aside) would make the evaluation on it meaningless, so it is a ``ValueError``."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    banned = {magpie.normalize(t) for t in heldout}
+    leaked = [t for t in lines if magpie.normalize(t) in banned]
+    if leaked:
+        raise ValueError(
+            f"--prompts-file {path}: {len(leaked)} line(s) are held-out chat prompts, "
+            f"e.g. {leaked[0]!r}"
+        )
+    return lines
+
+
 def _check_meta(work_dir: str, meta: dict) -> None:
     """The work dir's data must come from the same model, prompts and answer settings."""
     path = os.path.join(work_dir, "meta.json")
@@ -214,23 +236,28 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk_size": args.chunk_size,
         "seed": args.seed,
     }
-    if args.magpie_prompts:  # only then, so that older work dirs keep matching
+    chat = args.heldout_chat if args.heldout_chat != "none" else None
+    heldout_texts = (
+        [] if not chat else [m["content"] for r in data.read_jsonl(chat) for m in r["messages"]]
+    )
+    file_prompts = _read_prompts_file(args.prompts_file, heldout_texts) if args.prompts_file else []
+    # each only when set, so that older work dirs keep matching
+    if args.magpie_prompts:
         meta["magpie_prompts"] = args.magpie_prompts
+    if file_prompts:
+        meta["prompts_file_sha256"] = hashlib.sha256("\n".join(file_prompts).encode()).hexdigest()
     _check_meta(work, meta)
 
     llm_factory = functools.cache(lambda: data.make_llm(model_path, args.max_num_seqs, args.seed))
-    chat = args.heldout_chat if args.heldout_chat != "none" else None
     prompts = make_prompts(args.num_prompts, args.seed)
-    if args.magpie_prompts:  # none may repeat a template prompt or a held-out chat one
-        heldout_texts = (
-            [] if not chat else [m["content"] for r in data.read_jsonl(chat) for m in r["messages"]]
-        )
+    if args.magpie_prompts:  # none may repeat another prompt or a held-out chat one
         prompts += magpie.synthesize_prompts(
-            llm_factory, args.magpie_prompts, work, prompts + heldout_texts,
+            llm_factory, args.magpie_prompts, work, prompts + file_prompts + heldout_texts,
             on_done=functools.partial(_timings, work, "stage0_prompts"),
         )  # fmt: skip
         # stage 1 starts from a freshly seeded engine whether or not stage 0 ran in this process
         llm_factory.cache_clear()
+    prompts += file_prompts
     layers = args.feature_layers
     data.generate_answers(llm_factory, prompts, work, args.max_tokens, args.chunk_size,
                           functools.partial(_timings, work, "stage1_answers"), layers)  # fmt: skip
@@ -312,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prompts": len(prompts),
             "magpie_prompts": args.magpie_prompts,
             "magpie": magpie.SETTINGS,
+            "file_prompts": len(file_prompts),
             "sequences": len(convs),
             "train_sequences": len(train),
             "heldout_sequences": len(heldout),
