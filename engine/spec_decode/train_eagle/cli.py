@@ -1,9 +1,9 @@
-"""``python -m engine.spec_decode.train_eagle``: prompts (templates, and with ``--magpie-prompts``
-ones the target writes itself), self-distilled answers, features, training, and the head
-directory (``engine.spec_decode.eagle_format``) with its manifest. Every stage caches its
-results in ``--work-dir``; re-running the same command resumes where it stopped: stages 1 and 2
-at their first missing chunk, training at its last checkpoint (stage 0, minutes long, is kept
-only once finished)."""
+"""``python -m engine.spec_decode.train_eagle``: prompts (templates, with ``--magpie-prompts``
+ones the target writes itself, with ``--prompts-file`` the user's own), self-distilled answers,
+features, training, and the head directory (``engine.spec_decode.eagle_format``) with its
+manifest. Every stage caches its results in ``--work-dir``; re-running the same command resumes
+where it stopped: stages 1 and 2 at their first missing chunk, training at its last checkpoint
+(stage 0, minutes long, is kept only once finished)."""
 
 from __future__ import annotations
 
