@@ -14,9 +14,14 @@ import json
 import os
 
 from benchmarks import workload
-from benchmarks.spec_decode import engine_call, heldout_chat_prompts, same_tokens, take_turns
-from benchmarks.workload import BenchRequest, kv_blocks_needed
-from engine.config import DEFAULT_DRAFT_LEAVES
+from benchmarks.spec_decode import (
+    eagle_kv_blocks,
+    engine_call,
+    heldout_chat_prompts,
+    same_tokens,
+    take_turns,
+)
+from benchmarks.workload import BenchRequest
 
 
 def run(args) -> dict:
@@ -27,8 +32,7 @@ def run(args) -> dict:
         raise ValueError(f"prompts must lie in 1:{len(prompts)}, got {args.prompts!r}")
     requests = [BenchRequest(p, args.max_tokens) for p in prompts[first - 1 : last]]
     configs = json.loads(args.configs)
-    leaves = max(c.get("draft_leaves", DEFAULT_DRAFT_LEAVES) for c in configs)
-    blocks = kv_blocks_needed(requests, 1, args.k + leaves)
+    blocks = eagle_kv_blocks(requests, args.k, configs)
     eagle = {"method": "eagle", "num_speculative_tokens": args.k, "draft_model": args.eagle_head}
     systems = {}
     for config in [None, *configs]:

@@ -28,6 +28,7 @@ from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
 from engine import SpeculativeConfig
 from engine.llm import render_chat
+from engine.spec_decode.tree import tree_slots
 
 DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
 # A sweep run lasts 1.5-5 s and varies by +-10% between runs on a 2-core CPU: with the best of 2,
@@ -201,11 +202,20 @@ def heldout_chat_prompts(tokenizer) -> list[list[int]]:
     return [render_chat(tokenizer, r["messages"])[1] for r in records]
 
 
+def eagle_kv_blocks(requests: list[BenchRequest], k: int, configs: list[dict | None]) -> int:
+    """KV blocks for batch 1 at the widest draft tree among ``configs`` (eagle fields over k;
+    None: no speculation): each config's chain and leaves, their defaults filled in."""
+    eagle = {"method": "eagle", "num_speculative_tokens": k}
+    specs = [SpeculativeConfig.of(eagle | c) for c in configs if c is not None]
+    slots = max((tree_slots(s.num_speculative_tokens, s.leaves) for s in specs), default=0)
+    return kv_blocks_needed(requests, 1, slots)
+
+
 def run_eagle(args, spec) -> dict:
     """The EAGLE part (see the module doc)."""
     prompts = heldout_chat_prompts(spec.tokenizer)[: args.eagle_prompts]
     requests = [BenchRequest(p, args.eagle_max_tokens) for p in prompts]
-    blocks = kv_blocks_needed(requests, 1, EAGLE_K)
+    blocks = eagle_kv_blocks(requests, EAGLE_K, [config for _, config in EAGLE_RUNS.values()])
     eagle = {"method": "eagle", "draft_model": args.eagle_head, "num_speculative_tokens": EAGLE_K}
     engines, systems = {}, {}
     for name, (temperature, config) in EAGLE_RUNS.items():

@@ -31,7 +31,14 @@ from benchmarks import (
     throughput,
 )
 from benchmarks.timing import percentile, run_engine, summarize, time_calls
-from benchmarks.workload import BenchRequest, ModelSpec, make_workload, parse_int_list, parse_range
+from benchmarks.workload import (
+    BenchRequest,
+    ModelSpec,
+    kv_blocks_needed,
+    make_workload,
+    parse_int_list,
+    parse_range,
+)
 from engine import EngineStats
 from engine.models.layers import Linear
 from engine.models.quant import quantized_weight
@@ -422,6 +429,19 @@ def test_spec_decode_is_lossless(tiny_llama, bench_dir):
         tokens = {name: rows["2"]["tokens"] for name, rows in sweep["rows"].items()}
         assert tokens["off"] == tokens["forced"] == tokens["default"]
     assert "## Speculative decoding" in report.render(bench_dir, bench_dir / "RESULTS.md")
+
+
+def test_eagle_kv_blocks_fit_the_widest_draft_tree():
+    """A request that fills its blocks exactly with a chain of 4: the default leaves (or a
+    longer chain) need one block more; no speculation and chains only do not."""
+    requests = [BenchRequest([1] * 10, 1)]  # 10 + 1 + 4 + 1 = 16 slots
+    chain = kv_blocks_needed(requests, 1, 4)
+    assert spec_decode.eagle_kv_blocks(requests, 4, [None, {"draft_leaves": 0}]) == chain
+    assert spec_decode.eagle_kv_blocks(requests, 4, [None, {}]) == chain + 1
+    assert (
+        spec_decode.eagle_kv_blocks(requests, 4, [{"draft_leaves": 0, "num_speculative_tokens": 6}])
+        == chain + 1
+    )
 
 
 def test_eagle_sweep_runs_each_config_against_no_speculation(tiny_llama, tmp_path, capsys):
