@@ -28,7 +28,7 @@ SERVING_PEER = "transformers"
 DEMO_PEAK_GB = 0.9
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
-    "eagle-k4-l3": "eagle, chains of k, 3 leaves",
+    "eagle-k4-wide": "eagle, chains of k, one leaf more",
     "eagle-chain": "eagle, no leaves", "eagle-t-chain": "eagle, sampled drafts, no leaves",
     "none-t": "no speculation",
     "eagle-t": "eagle, sampled drafts", "eagle-t-argmax": "eagle, argmax drafts"})  # fmt: skip

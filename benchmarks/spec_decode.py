@@ -27,6 +27,7 @@ from benchmarks.throughput import load_hf_model, pad_id
 from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
 from engine import SpeculativeConfig
+from engine.config import DEFAULT_DRAFT_LEAVES
 from engine.llm import render_chat
 from engine.spec_decode.tree import tree_slots
 
@@ -39,12 +40,12 @@ HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # "eagle" is the engine default (chains stop at min_draft_confidence, DEFAULT_DRAFT_LEAVES
 # leaves where their paths score best); "-chain" without leaves; "eagle-k4" always drafts k,
 # which the tokens-per-verification figure at k=4 and the draft cost are measured on, and
-# "eagle-k4-l3" with one leaf more than the default (a wider tree: more tokens per
+# "eagle-k4-wide" with one leaf more than the default (a wider tree: more tokens per
 # verification, each verified row costing more time on a CPU).
 T, ARGMAX, FULL = TEMPERATURE, {"sample_drafts": False}, {"min_draft_confidence": 0.0}
-CHAIN, WIDE = {"draft_leaves": 0}, FULL | {"draft_leaves": 3}
+CHAIN, WIDE = {"draft_leaves": 0}, FULL | {"draft_leaves": DEFAULT_DRAFT_LEAVES + 1}
 EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "eagle-chain": (0.0, CHAIN),
-              "eagle-k4": (0.0, FULL), "eagle-k4-l3": (0.0, WIDE), "none-t": (T, None),
+              "eagle-k4": (0.0, FULL), "eagle-k4-wide": (0.0, WIDE), "none-t": (T, None),
               "eagle-t": (T, {}), "eagle-t-chain": (T, CHAIN),
               "eagle-t-argmax": (T, ARGMAX)}  # fmt: skip
 GREEDY_EAGLE = [n for n, (t, config) in EAGLE_RUNS.items() if t == 0 and config is not None]

@@ -35,8 +35,12 @@ class ChainStop:
 # greedy 0.2 gave 1.56x and 1.55x where 0.3 gave 1.52x and 1.49x (0.15: 1.46x); at temperature
 # 0.8, where the raw top-1 probability overstates a sampled draft's acceptance, 0.3 gave 1.20x
 # and 1.24x, 0.2 1.16x and 1.17x. The margins are within this CPU's run-to-run noise: on
-# prompts 0-7 greedy 0.3 led by ~2% (the sweep script and its runs: issue 14's notes).
-DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.3)
+# prompts 0-7 greedy 0.3 led by ~2% (the sweep script and its runs: issue 14's notes). Once the
+# float32 GEMM prefetched its weights (a verified row costing less) and the tree took three
+# leaves, sampled chains stopping at 0.2 beat 0.3 on the step-6 head (Intel Xeon, temperature
+# 0.8, prompts 9-32 / 33-64: 1.43x / 1.43x against 1.42x / 1.39x), and greedy 0.2 beat 0.1
+# (prompts 9-40: 1.68x against 1.67x), so both stop at 0.2.
+DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.2)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 # The shipped head's draft tree: two leaves beside its chain, placed by score. Measured at batch
 # 1, k=4, on held-out chat prompts 8-39 (the benchmark measures 0-7), every configuration taking
@@ -49,8 +53,11 @@ NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 # row, ~0.2-0.5 ms on this CPU as its memory is fast or slow. With the step-6 head on 2 cores of
 # an Intel Xeon with AMX (prompts 9-40, greedy, two passes, --eagle-head the new head): two
 # leaves 1.49x, three 1.48x, four 1.44x (the step-5 head with two: 1.42x); drafting k=4 always,
-# 2.26 / 2.34 / 2.38 tokens per verification (step 5: 2.15).
-DEFAULT_DRAFT_LEAVES = 2
+# 2.26 / 2.34 / 2.38 tokens per verification (step 5: 2.15). Then the float32 GEMM learned to
+# prefetch its weights, and 7 rows cost 1.1x a decode step's one instead of 1.3x: on the same
+# Xeon, greedy (prompts 9-40) two leaves 1.65x, three 1.68x, four 1.66x; temperature 0.8 (9-32)
+# two 1.38x, three 1.42x, and (33-64) three 1.39x, four 1.38x. Three it is.
+DEFAULT_DRAFT_LEAVES = 3
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 
 
@@ -79,7 +86,7 @@ class SpeculativeConfig:
     of its drafts' top-1 probabilities falls below this (EAGLE-2's dynamic draft length: a
     draft past that point is rarely accepted and costs a drafter forward and a verified row);
     the first draft is always made. None: ``DEFAULT_CHAIN_STOP`` for eagle (0.2 for greedy
-    requests, 0.3 for sampled ones), 0 (every chain runs to k) for a draft model. Which drafts
+    and sampled requests), 0 (every chain runs to k) for a draft model. Which drafts
     are made depends on q alone, never on the target's p, so verification stays exact.
 
     ``draft_leaves`` (eagle): this many more of the head's tokens are verified as leaves beside

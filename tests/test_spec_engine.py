@@ -217,7 +217,7 @@ def test_draft_confidence_out_of_range_is_rejected(value):
 def test_draft_confidence_and_backoff_defaults_per_method():
     eagle, draft = SpeculativeConfig(method="eagle"), SpeculativeConfig("draft", draft_model="x")
     assert eagle.chain_stop == DEFAULT_CHAIN_STOP and eagle.draft_skip == 0
-    assert 0 < DEFAULT_CHAIN_STOP.greedy < DEFAULT_CHAIN_STOP.sampled
+    assert 0 < DEFAULT_CHAIN_STOP.greedy <= DEFAULT_CHAIN_STOP.sampled < 1
     assert draft.chain_stop == NO_CHAIN_STOP == ChainStop(0.0, 0.0)
     assert draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
     assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram

@@ -55,7 +55,7 @@ HELP = {
     "(default: 16, 0 for eagle)",
     "sample_drafts": "draft models sample drafts at temperature > 0 (else argmax)",
     "min_draft_confidence": "stop a draft chain below this product of top-1 draft "
-    "probabilities (default for eagle: 0.2 greedy, 0.3 sampled; 0 for draft)",
+    "probabilities (default for eagle: 0.2; 0 for draft)",
 }
 SKIPPED = {"speculative_config"}  # set through the SpeculativeConfig flags
 DEFAULTS = {"method": None}  # speculation is off unless --speculative-method is given
