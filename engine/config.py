@@ -42,7 +42,8 @@ class ChainStop:
 # (prompts 9-40: 1.68x against 1.67x), so both stop at 0.2.
 DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.2)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
-# The shipped head's draft tree: two leaves beside its chain, placed by score. Measured at batch
+# The shipped head's draft tree: three leaves beside its chain, placed by score (two until the
+# GEMM prefetch below). Measured at batch
 # 1, k=4, on held-out chat prompts 8-39 (the benchmark measures 0-7), every configuration taking
 # turns on each prompt against no speculation (python -m benchmarks.eagle_sweep; the previous
 # tree by a script that emulated it, in issue 14's notes). Greedy, two passes over 8-23 / 24-39:

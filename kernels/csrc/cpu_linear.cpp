@@ -33,11 +33,13 @@ constexpr int kTilePanels = 3;
 constexpr int kGatedRows = V >= 16 ? 6 : 2;
 constexpr int kGatedPanels = 2;
 constexpr int64_t kChunkRows = 256;
-// Each panel of a tile is prefetched this far ahead of its loads (past a panel's end: the next
-// panel, which the thread reads next). From 2 rows up the tile's FMAs leave fewer weight loads
-// in flight than the DRAM stream needs: on the AVX512 Xeon, without it the float32 weights of
-// SmolLM2-135M at 7 rows (a draft tree's verification) took 1.23-1.37x the time of 1 row, with
-// it 1.09-1.13x, and 1 row ran 3-5% faster (1 KB measured better than 512 B, 1.5 KB, 2 KB, 8 KB).
+// Each panel of a tile is prefetched this far ahead of its loads (a group's panels are
+// contiguous, so past the last panel's end this reaches the next group's, which the thread reads
+// next). From 2 rows up the tile's FMAs leave fewer weight loads in flight than the DRAM stream
+// needs: on an AVX512 Xeon, in an interleaved microbenchmark of SmolLM2-135M's float32 weights,
+// 7 rows (a draft tree's verification) took 1.23-1.37x the time of 1 row without it and
+// 1.09-1.13x with it, and 1 row ran 3-5% faster (1 KB beat 512 B, 1.5 KB, 2 KB and 8 KB).
+// Unmeasured on AVX2, where a 64-byte line spans two k steps and is prefetched twice.
 constexpr int64_t kPrefetchFloats = 1024 / sizeof(float);
 // acc[i][j] += x[i, :] . (column block j of the weight) for R rows and P panels, over all of K.
 template <int R, int P>
