@@ -24,7 +24,7 @@ FULL = {
     "latency": "throughput --latency --batch-sizes 1,4 --output-len 32 --warmup-iters 1 --iters 3",
     "spec_decode": "spec_decode --num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24 --methods ngram,eagle --eagle-prompts 8 "
-    "--eagle-max-tokens 64 --eagle-batch-sizes 16,64",
+    "--eagle-max-tokens 64 --eagle-batch-sizes 2,4,8,16,64",
     "serving": "serving --rates 0.5,1,2,inf --num-prompts 32 --input-len 32:128 --output-len 32:64 "
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",

@@ -31,7 +31,6 @@ from engine.config import DEFAULT_DRAFT_LEAVES
 from engine.llm import render_chat
 from engine.spec_decode.tree import tree_slots
 
-DEFAULT_DISABLE_BATCH_SIZE = SpeculativeConfig().disable_batch_size
 # A sweep run lasts 1.5-5 s and varies by +-10% between runs on a 2-core CPU: with the best of 2,
 # the engine default measured 0.88x of off at batch 64 where 5 alternated runs each gave 0.97x.
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 5, 4, 0.8
@@ -157,7 +156,8 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
     slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
     return {
         "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
-        "default_disable_batch_size": DEFAULT_DISABLE_BATCH_SIZE, "rows": rows,
+        "default_disable_batch_size": SpeculativeConfig.of(speculative).off_batch_size,
+        "rows": rows,
         "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
         "largest_batch_size": sizes[-1],
         "default_vs_off_at_largest": tps["default"][b] / tps["off"][b],
@@ -299,7 +299,7 @@ def build_parser():
     add("--eagle-prompts", type=int, default=8)
     add("--eagle-max-tokens", type=int, default=64)
     add("--eagle-passes", type=int, default=3, help="timed passes over the eagle prompts")
-    add("--eagle-batch-sizes", default="16,64", help="eagle sweep; '' skips it")
+    add("--eagle-batch-sizes", default="2,4,8,16,64", help="eagle sweep; '' skips it")
     return parser
 
 

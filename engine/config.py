@@ -60,6 +60,18 @@ NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 # two 1.38x, three 1.42x, and (33-64) three 1.39x, four 1.38x. Three it is.
 DEFAULT_DRAFT_LEAVES = 3
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
+# Speculation is off from this many busy sequences (SpeculativeConfig.disable_batch_size),
+# and the draft tree's leaves from DEFAULT_DISABLE_TREE_BATCH_SIZE. n-gram and draft models: see
+# SpeculativeConfig. eagle drafts every step (no backoff); forced on at every batch size, 24
+# tokens, best of three, held-out chat prompts 8.. / 24.. (Intel Xeon with AMX, 2 cores), chains
+# gained 1.68x / 1.30x at batch 1, 1.14x / 1.17x at 2, 0.86x / 1.11x at 3, 1.03x / 0.98x at 4
+# and 0.99x / 0.86x at 6; three leaves 1.57x / 1.17x at 1, 1.10x / 0.99x at 2 and 0.82x / 0.76x
+# at 4 (each leaf is a verified row per sequence). So eagle is off from 3 busy sequences, and
+# its leaves from 2. With 16 requests at once and off only from 16, the 15 left after the first
+# finished drafted trees: 0.91x no speculation.
+DEFAULT_DISABLE_BATCH_SIZE = 16
+EAGLE_DISABLE_BATCH_SIZE = 3
+DEFAULT_DISABLE_TREE_BATCH_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,9 @@ class SpeculativeConfig:
     """How drafts are proposed.
 
     ``disable_batch_size``: speculation is switched off for a step when at least this many
-    sequences are running or waiting. Verifying k drafts costs (k+1)x the target's tokens; once
+    sequences are running or waiting. None: 16, and 3 for eagle (``EAGLE_DISABLE_BATCH_SIZE``).
+    Both are measured on a 2-core CPU; a GPU verifies far more tokens per step for free, so
+    set it higher there. Verifying k drafts costs (k+1)x the target's tokens; once
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
     measures the crossover (RESULTS.md): on the 2-core CPU, forced n-gram speculation on
     input-grounded prompts gains ~1.6x at batch 1, breaks even at batch 16 and loses 6-9% from
@@ -98,6 +112,8 @@ class SpeculativeConfig:
     often beside an unsure first draft); the best-scored ones are verified. Where the chain is
     rejected at a depth whose leaf holds the token the target emits instead, the leaf's row
     gives one more token. None: ``DEFAULT_DRAFT_LEAVES`` for eagle; 0 verifies chains only.
+    ``disable_tree_batch_size``: the leaves are left out (chains alone) in steps with at least
+    this many running or waiting sequences.
     """
 
     method: str = "ngram"
@@ -107,13 +123,14 @@ class SpeculativeConfig:
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
-    disable_batch_size: int = 16
+    disable_batch_size: int | None = None
     max_draft_skip: int | None = None
     # A draft model or head samples its drafts from q at temperature > 0 (verified by
     # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
     sample_drafts: bool = True
     min_draft_confidence: float | None = None
     draft_leaves: int | None = None
+    disable_tree_batch_size: int = DEFAULT_DISABLE_TREE_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -122,7 +139,9 @@ class SpeculativeConfig:
         _positive("ngram_min", self.ngram_min)
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max must be an integer >= ngram_min, got {self.ngram_max!r}")
-        _positive("disable_batch_size", self.disable_batch_size)
+        if self.disable_batch_size is not None:
+            _positive("disable_batch_size", self.disable_batch_size)
+        _positive("disable_tree_batch_size", self.disable_tree_batch_size)
         skip = self.max_draft_skip
         if skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0):
             raise ValueError(f"max_draft_skip must be an integer >= 0, got {skip!r}")
@@ -144,6 +163,13 @@ class SpeculativeConfig:
                     f"num_speculative_tokens + draft_leaves must be < {MAX_TREE_TOKENS} "
                     f"(one verified span), got {self.num_speculative_tokens + leaves}"
                 )
+
+    @property
+    def off_batch_size(self) -> int:
+        """``disable_batch_size`` with its per-method default filled in."""
+        if self.disable_batch_size is not None:
+            return self.disable_batch_size
+        return EAGLE_DISABLE_BATCH_SIZE if self.method == "eagle" else DEFAULT_DISABLE_BATCH_SIZE
 
     @property
     def draft_skip(self) -> int:

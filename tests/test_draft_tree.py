@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import DEFAULT_DRAFT_LEAVES, EngineConfig, SpeculativeConfig
+from engine.config import (
+    DEFAULT_DISABLE_BATCH_SIZE,
+    DEFAULT_DISABLE_TREE_BATCH_SIZE,
+    DEFAULT_DRAFT_LEAVES,
+    EAGLE_DISABLE_BATCH_SIZE,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from engine.model_runner import Span
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.manager import SpeculationManager
@@ -127,6 +134,24 @@ def test_the_manager_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first(
     full = [_Scheduled(_Seq(1, 10), 9), _Scheduled(_Seq(1, 10), 5), _Scheduled(_Seq(47, 60), 8)]
     manager.propose(full, lambda s: params)
     assert seen == {"ks": [3, 3, 2], "leaf_slots": [6, 2, 6]}
+
+
+def test_leaves_only_at_batch_one_and_eagle_off_from_its_own_batch_size():
+    """From disable_tree_batch_size busy sequences a step verifies chains alone, and eagle's
+    speculation is off from EAGLE_DISABLE_BATCH_SIZE (n-gram's stays on to 16)."""
+    params = SamplingParams(temperature=0, max_tokens=50)
+    seq, k, tree = _Seq(1, 10), 4, DEFAULT_DISABLE_TREE_BATCH_SIZE
+    eagle = SpeculationManager(SpeculativeConfig(method="eagle"), None, max_model_len=100)
+    assert eagle.lookahead(1, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
+    assert eagle.lookahead(tree - 1, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
+    assert eagle.lookahead(tree, lambda s: params)(seq) == k
+    assert eagle.lookahead(EAGLE_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
+    wide = SpeculativeConfig(method="eagle", disable_batch_size=64, disable_tree_batch_size=9)
+    assert SpeculationManager(wide, None, 100).lookahead(8, lambda s: params)(seq) == k + 3
+    assert SpeculationManager(wide, None, 100).lookahead(63, lambda s: params)(seq) == k
+    ngram = SpeculationManager(SpeculativeConfig(), None, max_model_len=100)
+    assert ngram.lookahead(15, lambda s: params)(seq) == k
+    assert ngram.lookahead(DEFAULT_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
 
 
 class _Seq:

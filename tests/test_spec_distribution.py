@@ -116,7 +116,8 @@ def sample_joint(llm: LLM, temperature: float, penalties: dict) -> torch.Tensor:
 
 def make_llm(target: str, drafts: dict[str, str], method: str) -> LLM:
     spec = None
-    common = {"num_speculative_tokens": 3, "disable_batch_size": 10**6, "max_draft_skip": 0}
+    common = {"num_speculative_tokens": 3, "disable_batch_size": 10**6, "max_draft_skip": 0,
+              "disable_tree_batch_size": 10**6}  # fmt: skip
     if method == "ngram":
         spec = {"method": "ngram", **common}
     elif method.startswith("draft-"):

@@ -11,7 +11,14 @@ from conftest import build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.config import DEFAULT_CHAIN_STOP, DEFAULT_MAX_DRAFT_SKIP, NO_CHAIN_STOP, ChainStop
+from engine.config import (
+    DEFAULT_CHAIN_STOP,
+    DEFAULT_DISABLE_BATCH_SIZE,
+    DEFAULT_MAX_DRAFT_SKIP,
+    EAGLE_DISABLE_BATCH_SIZE,
+    NO_CHAIN_STOP,
+    ChainStop,
+)
 from engine.model_runner import Span
 from engine.penalties import TokenHistory
 from engine.spec_decode.backoff import DraftBackoff
@@ -221,11 +228,18 @@ def test_draft_confidence_and_backoff_defaults_per_method():
     assert draft.chain_stop == NO_CHAIN_STOP == ChainStop(0.0, 0.0)
     assert draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
     assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram
+    assert eagle.off_batch_size == EAGLE_DISABLE_BATCH_SIZE < DEFAULT_DISABLE_BATCH_SIZE
+    assert draft.off_batch_size == SpeculativeConfig().off_batch_size == DEFAULT_DISABLE_BATCH_SIZE
+    assert SpeculativeConfig("eagle", disable_batch_size=9).off_batch_size == 9
     explicit = SpeculativeConfig(method="eagle", min_draft_confidence=0, max_draft_skip=4)
     assert explicit.chain_stop == NO_CHAIN_STOP and explicit.draft_skip == 4
     assert SpeculativeConfig("eagle", min_draft_confidence=0.5).chain_stop == ChainStop(0.5, 0.5)
     with pytest.raises(ValueError, match="max_draft_skip must be an integer >= 0"):
         SpeculativeConfig(max_draft_skip=-1)
+    with pytest.raises(ValueError, match="disable_batch_size must be an integer >= 1"):
+        SpeculativeConfig(disable_batch_size=0)
+    with pytest.raises(ValueError, match="disable_tree_batch_size must be an integer >= 1"):
+        SpeculativeConfig(method="eagle", disable_tree_batch_size=-2)
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, plain):

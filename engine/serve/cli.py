@@ -50,7 +50,10 @@ HELP = {
     "num_speculative_tokens": "most drafts per sequence per step",
     "ngram_min": "shortest n-gram the n-gram proposer matches",
     "ngram_max": "longest n-gram the n-gram proposer matches",
-    "disable_batch_size": "no speculation in steps with this many sequences running or waiting",
+    "disable_batch_size": "no speculation in steps with this many sequences running or waiting "
+    "(default: 16, 3 for eagle)",
+    "disable_tree_batch_size": "no draft-tree leaves (chains only) in steps with this many "
+    "sequences running or waiting",
     "max_draft_skip": "most steps a sequence skips drafting after a failed round "
     "(default: 16, 0 for eagle)",
     "sample_drafts": "draft models sample drafts at temperature > 0 (else argmax)",

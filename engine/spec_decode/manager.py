@@ -47,17 +47,19 @@ class SpeculationManager:
         ``disable_batch_size``: a step that full is compute-bound and verification is no longer
         free. Otherwise k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``,
         and 0 for a sequence in backoff or with no output yet (its prompt is being computed).
-        With draft leaves, k's chain and its leaves (``tree_slots``).
+        With draft leaves, k's chain and its leaves (``tree_slots``), unless ``num_busy``
+        reaches ``disable_tree_batch_size``: then the chain alone.
         """
         config = self.config
-        if config is None or num_busy >= config.disable_batch_size:
+        if config is None or num_busy >= config.off_batch_size:
             return lambda seq: 0
+        leaves = self.leaves if num_busy < config.disable_tree_batch_size else 0
 
         def k(seq: Sequence) -> int:
             outputs = seq.num_output_tokens
             if not outputs or not self.backoff.should_draft(seq.seq_id, outputs):
                 return 0
-            return tree_slots(self._max_depth(seq, params_of(seq)), self.leaves)
+            return tree_slots(self._max_depth(seq, params_of(seq)), leaves)
 
         return k
 
