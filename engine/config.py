@@ -62,15 +62,16 @@ DEFAULT_DRAFT_LEAVES = 3
 DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see SpeculativeConfig)
 # Speculation is off from this many busy sequences (SpeculativeConfig.disable_batch_size),
 # and the draft tree's leaves from DEFAULT_DISABLE_TREE_BATCH_SIZE. n-gram and draft models: see
-# SpeculativeConfig. eagle drafts every step (no backoff); forced on at every batch size, 24
-# tokens, best of three, held-out chat prompts 8.. / 24.. (Intel Xeon with AMX, 2 cores), chains
-# gained 1.68x / 1.30x at batch 1, 1.14x / 1.17x at 2, 0.86x / 1.11x at 3, 1.03x / 0.98x at 4
-# and 0.99x / 0.86x at 6; three leaves 1.57x / 1.17x at 1, 1.10x / 0.99x at 2 and 0.82x / 0.76x
-# at 4 (each leaf is a verified row per sequence). So eagle is off from 3 busy sequences, and
-# its leaves from 2. With 16 requests at once and off only from 16, the 15 left after the first
-# finished drafted trees: 0.91x no speculation.
+# SpeculativeConfig. eagle drafts every step (no backoff). Forced on at every batch size, 24
+# greedy tokens, each of eight sets of eight held-out chat prompts cycled, best of three (Intel
+# Xeon with AMX, 2 cores), chains against no speculation: mean 1.32x at batch 2, 1.20x at 3,
+# 1.04x at 4 (median 1.00x), 0.97x at 5 and 0.94x at 6; the default tree against chains: 13%
+# slower at batch 2 and 10% at 3 (each leaf is a verified row per sequence), where at batch 1
+# it is faster (benchmarks/spec_decode.py: 1.80x against 1.64x). So eagle is off from 4 busy
+# sequences, and its leaves from 2. With 16 requests at once and off only from 16, the 15 left
+# after the first finished drafted trees: 0.91x no speculation.
 DEFAULT_DISABLE_BATCH_SIZE = 16
-EAGLE_DISABLE_BATCH_SIZE = 3
+EAGLE_DISABLE_BATCH_SIZE = 4
 DEFAULT_DISABLE_TREE_BATCH_SIZE = 2
 
 
@@ -79,7 +80,7 @@ class SpeculativeConfig:
     """How drafts are proposed.
 
     ``disable_batch_size``: speculation is switched off for a step when at least this many
-    sequences are running or waiting. None: 16, and 3 for eagle (``EAGLE_DISABLE_BATCH_SIZE``).
+    sequences are running or waiting. None: 16, and 4 for eagle (``EAGLE_DISABLE_BATCH_SIZE``).
     Both are measured on a 2-core CPU; a GPU verifies far more tokens per step for free, so
     set it higher there. Verifying k drafts costs (k+1)x the target's tokens; once
     a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 N2_STOP = SamplingParams(n=2, temperature=0, max_tokens=32, stop=[" the"])
 SHARED = "You are a helpful assistant. Answer briefly, clearly and without repeating yourself. "
 
-# Speculation and its tree on in a batch too (by default eagle is off from three busy sequences
+# Speculation and its tree on in a batch too (by default eagle is off from four busy sequences
 # and its leaves from two).
 EAGLE = {"method": "eagle", "num_speculative_tokens": 4, "disable_batch_size": 64,
          "disable_tree_batch_size": 64}  # fmt: skip

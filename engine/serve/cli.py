@@ -51,7 +51,7 @@ HELP = {
     "ngram_min": "shortest n-gram the n-gram proposer matches",
     "ngram_max": "longest n-gram the n-gram proposer matches",
     "disable_batch_size": "no speculation in steps with this many sequences running or waiting "
-    "(default: 16, 3 for eagle)",
+    "(default: 16, 4 for eagle)",
     "disable_tree_batch_size": "no draft-tree leaves (chains only) in steps with this many "
     "sequences running or waiting",
     "max_draft_skip": "most steps a sequence skips drafting after a failed round "
