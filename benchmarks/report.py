@@ -266,11 +266,12 @@ def render_spec_decode(p: dict) -> list[str]:
 
 
 def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
-    """Per batch size: both configs' rows, and the second's tokens/s over the first's."""
+    """Per batch size: both configs' rows, and the second's ratio to the first (off): the
+    median over the rounds of their ratio, ``vs_off``."""
     out = []
     for b, a in rows[names[0]].items():
         c = rows[names[1]].get(b, {})
-        ratio = c.get("tokens_per_s") and c["tokens_per_s"] / a["tokens_per_s"]
+        ratio = c.get("vs_off")
         out.append({"b": b, "a": a, "c": c, "ratio": ratio})
     return out
 
@@ -279,7 +280,7 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
     rows = _sweep_rows(sweep["rows"], ("off", "forced"))
     for r in rows:
         r["d"] = sweep["rows"]["default"].get(r["b"], {})
-        r["ratio_default"] = r["d"]["tokens_per_s"] / r["a"]["tokens_per_s"] if r["d"] else None
+        r["ratio_default"] = r["d"].get("vs_off")
     crossover = sweep["crossover_batch_size"]
     return [
         "",
@@ -287,7 +288,8 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         f"{sweep.get('method', 'ngram')} k={sweep['k']} forced on at every batch size vs off; "
         f"'default' is the engine's SpeculativeConfig (speculation off at >= "
         f"{sweep['default_disable_batch_size']} running or waiting sequences); the configs take "
-        f"turns, best of {sweep['repeats']} runs each.",
+        f"turns, {sweep['repeats']} rounds: tok/s is each config's best run, '/ off' the median "
+        "over the rounds of the round's ratio (drift on the host cancels within a round).",
         "",
         *_table(SWEEP_COLUMNS, rows),
         "",

@@ -15,8 +15,10 @@ pooled one (this CPU's speed drifts by 10-25% within minutes).
 Then per method a batch sweep: off, forced on at every B, and the engine default (see ``sweep``).
 """
 
+import collections
 import itertools
 import json
+import statistics
 import time
 
 import torch
@@ -35,7 +37,7 @@ from engine.spec_decode.tree import tree_slots
 # the engine default measured 0.88x of off at batch 64 where 5 alternated runs each gave 0.97x.
 # On a noisier Xeon VM a round's eagle default / off ratio ranged 0.75-1.23 at batch 16 (the
 # two differ only in the last few steps), and with the best of 5 the default (off there) came
-# out at 0.90x of off at batch 64: seven rounds.
+# out at 0.90x of off at batch 64: seven rounds, and ratios are medians of a round's (sweep).
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 7, 4, 0.8
 HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).
@@ -126,8 +128,12 @@ def same_tokens(results: dict[str, dict], reference: str, names) -> None:
 def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, default_sizes) -> dict:
     """Output tokens/s per batch size, ``prompts`` cycled: speculation off, forced on at every
     size (``disable_batch_size`` huge) and the engine default at ``default_sizes``. The configs
-    take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run; the first size
-    where forced loses is the crossover that ``disable_batch_size`` should sit below."""
+    take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run. A config's
+    ``vs_off`` is the median over the rounds of its tokens/s over off's in the same round: a
+    round's runs are seconds apart, so the ratio cancels the host's slow drift that a ratio of
+    two best runs keeps (on a noisy VM, two configs taking the same steps came out 0.90x apart
+    that way). The first size where forced loses is the crossover that ``disable_batch_size``
+    should sit below."""
     forced = speculative | {"disable_batch_size": 1 << 30}
     configs = {"off": sizes, "forced": sizes, "default": default_sizes}
     n = args.sweep_max_tokens
@@ -143,19 +149,24 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
     for name, engine in engines.items():
         run_engine(engine, reqs[max(configs[name])])
     rows: dict[str, dict] = {name: {} for name in engines}
+    rates: dict[tuple[str, str], list[float]] = collections.defaultdict(list)  # (name, B): rounds
     for b, _, (name, engine) in itertools.product(sizes, range(SWEEP_REPEATS), engines.items()):
         if b in configs[name]:
             run = run_engine(engine, reqs[b], ignore_eos=False)
             seconds = max(t.last_token_s for t in run.timings)
             tokens = sum(len(t) for t in run.token_ids)
             row = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+            rates[name, str(b)].append(row["tokens_per_s"])
             if row["tokens_per_s"] > rows[name].get(str(b), {}).get("tokens_per_s", 0):
                 rows[name][str(b)] = row | {"acceptance_rate": run.stats["acceptance_rate"]}
             print(f"  sweep {name:>7} batch {b:3d}: {tokens / seconds:8.1f} tok/s", flush=True)
     del engines
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
-    tps = {name: {b: row["tokens_per_s"] for b, row in r.items()} for name, r in rows.items()}
-    speedup = {b: tps["forced"][b] / tps["off"][b] for b in tps["off"]}
+    for (name, b), runs in rates.items():
+        if name != "off":
+            ratios = [x / y for x, y in zip(runs, rates["off", b], strict=True)]
+            rows[name][b]["vs_off"] = statistics.median(ratios)
+    speedup = {b: row["vs_off"] for b, row in rows["forced"].items()}
     slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
     return {
         "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
@@ -163,7 +174,7 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
         "rows": rows,
         "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
         "largest_batch_size": sizes[-1],
-        "default_vs_off_at_largest": tps["default"][b] / tps["off"][b],
+        "default_vs_off_at_largest": rows["default"][b]["vs_off"],
     }  # fmt: skip
 
 

@@ -81,9 +81,9 @@ class SpeculativeConfig:
 
     ``disable_batch_size``: speculation is switched off for a step when at least this many
     sequences are running or waiting. None: 16, and 4 for eagle (``EAGLE_DISABLE_BATCH_SIZE``).
-    Both are measured on a 2-core CPU; a GPU verifies far more tokens per step for free, so
-    set it higher there. Verifying k drafts costs (k+1)x the target's tokens; once
-    a step is compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
+    Both are measured on a 2-core CPU; a GPU verifies far more tokens per step for free, so set
+    it higher there. Verifying k drafts costs (k+1)x the target's tokens; once a step is
+    compute-bound those tokens are no longer free. ``benchmarks/spec_decode.py``
     measures the crossover (RESULTS.md): on the 2-core CPU, forced n-gram speculation on
     input-grounded prompts gains ~1.6x at batch 1, breaks even at batch 16 and loses 6-9% from
     32 up (with the C++ CPU kernels; before them, when plain decode was slower, it broke even up
