@@ -37,7 +37,7 @@ from engine.spec_decode.tree import tree_slots
 # the engine default measured 0.88x of off at batch 64 where 5 alternated runs each gave 0.97x.
 # On a noisier Xeon VM a round's eagle default / off ratio ranged 0.75-1.23 at batch 16 (the
 # two differ only in the last few steps), and with the best of 5 the default (off there) came
-# out at 0.90x of off at batch 64: seven rounds, and ratios are medians of a round's (sweep).
+# out at 0.90x of off at batch 64: seven rounds, each ratio the median of the rounds' (sweep).
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 7, 4, 0.8
 HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).

@@ -43,8 +43,8 @@ class ChainStop:
 DEFAULT_CHAIN_STOP = ChainStop(greedy=0.2, sampled=0.2)
 NO_CHAIN_STOP = ChainStop()  # every chain runs to k
 # The shipped head's draft tree: three leaves beside its chain, placed by score (two until the
-# GEMM prefetch below). Measured at batch
-# 1, k=4, on held-out chat prompts 8-39 (the benchmark measures 0-7), every configuration taking
+# GEMM prefetch below). Measured at batch 1, k=4, on held-out chat prompts 8-39 (the benchmark
+# measures 0-7), every configuration taking
 # turns on each prompt against no speculation (python -m benchmarks.eagle_sweep; the previous
 # tree by a script that emulated it, in issue 14's notes). Greedy, two passes over 8-23 / 24-39:
 # scored 1.46x / 1.50x, the first draft's 2nd and 3rd choices (the previous default) 1.44x /
@@ -65,9 +65,9 @@ DEFAULT_MAX_DRAFT_SKIP = 16  # n-gram and draft models (eagle: 0, see Speculativ
 # SpeculativeConfig. eagle drafts every step (no backoff). Forced on at every batch size, 24
 # greedy tokens, each of eight sets of eight held-out chat prompts cycled, best of three (Intel
 # Xeon with AMX, 2 cores), chains against no speculation: mean 1.32x at batch 2, 1.20x at 3,
-# 1.04x at 4 (median 1.00x), 0.97x at 5 and 0.94x at 6; the default tree against chains: 13%
-# slower at batch 2 and 10% at 3 (each leaf is a verified row per sequence), where at batch 1
-# it is faster (benchmarks/spec_decode.py: 1.80x against 1.64x). So eagle is off from 4 busy
+# 1.04x at 4 (median 1.00x), 0.97x at 5 and 0.94x at 6; the default tree took 15% longer than
+# chains at batch 2 and 10% at 3 (each leaf is a verified row per sequence), where at batch 1
+# it is faster (RESULTS.md's spec_decode run: 1.77x against 1.64x). So eagle is off from 4 busy
 # sequences, and its leaves from 2. With 16 requests at once and off only from 16, the 15 left
 # after the first finished drafted trees: 0.91x no speculation.
 DEFAULT_DISABLE_BATCH_SIZE = 16

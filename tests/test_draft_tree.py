@@ -146,9 +146,13 @@ def test_leaves_only_at_batch_one_and_eagle_off_from_its_own_batch_size():
     assert eagle.lookahead(tree - 1, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
     assert eagle.lookahead(tree, lambda s: params)(seq) == k
     assert eagle.lookahead(EAGLE_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
-    wide = SpeculativeConfig(method="eagle", disable_batch_size=64, disable_tree_batch_size=9)
-    assert SpeculationManager(wide, None, 100).lookahead(8, lambda s: params)(seq) == k + 3
-    assert SpeculationManager(wide, None, 100).lookahead(63, lambda s: params)(seq) == k
+    wide = SpeculationManager(
+        SpeculativeConfig(method="eagle", disable_batch_size=64, disable_tree_batch_size=9),
+        None,
+        max_model_len=100,
+    )
+    assert wide.lookahead(8, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
+    assert wide.lookahead(63, lambda s: params)(seq) == k
     ngram = SpeculationManager(SpeculativeConfig(), None, max_model_len=100)
     assert ngram.lookahead(15, lambda s: params)(seq) == k
     assert ngram.lookahead(DEFAULT_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
