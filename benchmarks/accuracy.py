@@ -26,7 +26,7 @@ from benchmarks import llamacpp, workload
 from benchmarks.precisions import PRECISIONS, engine_options, get_precision
 from benchmarks.timing import run_engine
 from benchmarks.workload import BenchRequest
-from engine.model_runner import Span
+from engine.spans import Span
 
 # tests/test_default_model.py's prompts: the ones HF transformers checks the default model on.
 FIXTURE_PROMPTS = (

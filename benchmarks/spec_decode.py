@@ -29,7 +29,7 @@ from benchmarks.throughput import load_hf_model, pad_id
 from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
 from engine import SpeculativeConfig
-from engine.config import DEFAULT_DRAFT_LEAVES
+from engine.config import METHOD_DEFAULTS
 from engine.llm import render_chat
 from engine.spec_decode.tree import tree_slots
 
@@ -41,13 +41,14 @@ from engine.spec_decode.tree import tree_slots
 SWEEP_K, SWEEP_REPEATS, EAGLE_K, TEMPERATURE = 4, 7, 4, 0.8
 HELDOUT = workload.DATA / "chat_heldout.jsonl"
 # The EAGLE part at batch 1, name: (temperature, eagle config or None for no speculation).
-# "eagle" is the engine default (chains stop at min_draft_confidence, DEFAULT_DRAFT_LEAVES
-# leaves where their paths score best); "-chain" without leaves; "eagle-k4" always drafts k,
-# which the tokens-per-verification figure at k=4 and the draft cost are measured on, and
-# "eagle-k4-wide" with one leaf more than the default (a wider tree: more tokens per
-# verification, each verified row costing more time on a CPU).
+# "eagle" is the engine default (METHOD_DEFAULTS: chains stop at min_draft_confidence,
+# draft_leaves leaves where their paths score best); "-chain" without leaves; "eagle-k4"
+# always drafts k, which the tokens-per-verification figure at k=4 and the draft cost are
+# measured on, and "eagle-k4-wide" with one leaf more than the default (a wider tree: more
+# tokens per verification, each verified row costing more time on a CPU).
 T, ARGMAX, FULL = TEMPERATURE, {"sample_drafts": False}, {"min_draft_confidence": 0.0}
-CHAIN, WIDE = {"draft_leaves": 0}, FULL | {"draft_leaves": DEFAULT_DRAFT_LEAVES + 1}
+LEAVES = METHOD_DEFAULTS["eagle"]["draft_leaves"]
+CHAIN, WIDE = {"draft_leaves": 0}, FULL | {"draft_leaves": LEAVES + 1}
 EAGLE_RUNS = {"none": (0.0, None), "eagle": (0.0, {}), "eagle-chain": (0.0, CHAIN),
               "eagle-k4": (0.0, FULL), "eagle-k4-wide": (0.0, WIDE), "none-t": (T, None),
               "eagle-t": (T, {}), "eagle-t-chain": (T, CHAIN),
@@ -170,7 +171,7 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
     slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
     return {
         "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
-        "default_disable_batch_size": SpeculativeConfig.of(speculative).off_batch_size,
+        "default_disable_batch_size": SpeculativeConfig.of(speculative).disable_batch_size,
         "rows": rows,
         "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
         "largest_batch_size": sizes[-1],
@@ -222,7 +223,7 @@ def eagle_kv_blocks(requests: list[BenchRequest], k: int, configs: list[dict | N
     None: no speculation): each config's chain and leaves, their defaults filled in."""
     eagle = {"method": "eagle", "num_speculative_tokens": k}
     specs = [SpeculativeConfig.of(eagle | c) for c in configs if c is not None]
-    slots = max((tree_slots(s.num_speculative_tokens, s.leaves) for s in specs), default=0)
+    slots = max((tree_slots(s.num_speculative_tokens, s.draft_leaves) for s in specs), default=0)
     return kv_blocks_needed(requests, 1, slots)
 
 

@@ -21,8 +21,8 @@ from engine.output_processor import OutputProcessor
 from engine.processor import Processor
 from engine.sampler import Sampler
 from engine.spec_decode.eagle import EagleProposer, load_eagle_head
-from engine.spec_decode.manager import SpeculationManager
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer
+from engine.spec_decode.speculation import NoSpeculation, Speculation
 from engine.step_sampler import StepSampler
 from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig
@@ -43,7 +43,7 @@ class EngineParts:
     block_manager: BlockManager
     scheduler: Scheduler
     runner: ModelRunner | DistributedRunner
-    spec: SpeculationManager
+    spec: NoSpeculation  # or Speculation
     step_sampler: StepSampler
     output_processor: OutputProcessor
     tp: TPGroup | None  # the tensor-parallel workers (None: one device)
@@ -109,7 +109,7 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         heads = int(model_config.num_attention_heads) // shard.size
         kernels.warmup(
             heads, *local.kv_caches[0], max_context, config.attention_backend, query_dtype=dtype,
-            trees=index == 0 and spec is not None and spec.leaves > 0,  # the target verifies
+            trees=index == 0 and spec is not None and spec.draft_leaves > 0,  # the target verifies
         )  # fmt: skip
         if index == 0 and tp is None and uses_cuda_graphs(config, device):
             local.graphs = DecodeGraphs(
@@ -127,15 +127,24 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
     proposer = None
     if draft is not None:
         proposer = DraftModelProposer(
-            runner(draft.model, draft.config, 1), config.seed + 1, spec.chain_stop
+            runner(draft.model, draft.config, 1), config.seed + 1, spec.min_draft_confidence
         )
     elif head is not None:
         proposer = EagleProposer(
-            runner(head, head.config, 1), config.seed + 1, spec.chain_stop, spec.leaves
+            runner(head, head.config, 1),
+            config.seed + 1,
+            spec.min_draft_confidence,
+            spec.draft_leaves,
         )
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-    manager = SpeculationManager(spec, proposer, max_model_len)
+    step_sampler = StepSampler(Sampler(config.seed, device), eos_token_ids)
+    target_runner = runner(target.model, target.config, 0)
+    speculation = (
+        NoSpeculation(step_sampler)
+        if proposer is None
+        else Speculation(spec, proposer, step_sampler, target_runner, max_model_len)
+    )
     return EngineParts(
         tokenizer=target.tokenizer,
         model_config=target.config,
@@ -146,13 +155,13 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
             config.max_num_seqs,
             num_blocks,
             config.block_size,
-            manager.num_lookahead_slots,
+            0 if spec is None else spec.num_speculative_tokens,
         ),
         block_manager=block_manager,
         scheduler=Scheduler(scheduler_config, block_manager),
-        runner=runner(target.model, target.config, 0),
-        spec=manager,
-        step_sampler=StepSampler(Sampler(config.seed, device), eos_token_ids, manager.verify),
+        runner=target_runner,
+        spec=speculation,
+        step_sampler=step_sampler,
         output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len),
         tp=tp,
     )

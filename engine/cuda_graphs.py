@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.attention import AttentionMetadata
+from engine.spans import Span, pack_spans
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner, Span
+    from engine.model_runner import ModelRunner
 
 # (replay, output): replay() recomputes output in place from the static buffers.
 Captured = tuple[Callable[[], object], torch.Tensor]
@@ -138,25 +139,20 @@ class DecodeGraphs:
     def run(self, spans: Sequence[Span]) -> torch.Tensor:
         """Logits [len(spans), V] of a decode step (``fits``), replayed at the next captured
         size; the padding rows keep the buffers' padding values (slot -1, one-token spans)."""
-        b, n, size = len(spans), self.batch_sizes[-1], self.runner.block_size
+        b, n = len(spans), self.batch_sizes[-1]
         padded = next(g for g in self.batch_sizes if g >= b)
-        ids, positions, slots, lens = [], [], [], []
-        for s in spans:
-            pos = s.start
-            ids.append(s.token_ids[0])
-            positions.append(pos)
-            slots.append(s.block_table[pos // size] * size + pos % size)
-            lens.append(pos + 1)
-        width = max(len(s.block_table) for s in spans)
-        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans]
-        pad = n - b
-        int64 = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
+        packed = pack_spans(spans, self.runner.block_size)
+        int64 = torch.zeros(3, n, dtype=torch.int64)
+        int64[2] = -1  # padding rows write no K/V
+        for row, values in enumerate((packed.input_ids, packed.positions, packed.slots)):
+            int64[row, :b] = torch.from_numpy(values)
         # cu_query_lens never change (one token per row): only the seq_lens after them do
-        seq_lens = torch.tensor(lens + [1] * pad, dtype=torch.int32)
-        table = torch.tensor(tables, dtype=torch.int32)
+        seq_lens = torch.ones(n, dtype=torch.int32)
+        seq_lens[:b] = torch.from_numpy(packed.seq_lens)
+        table = torch.from_numpy(packed.block_tables)
         self._copy(self.int64, int64)
         self._copy(self.int32[self.lens_at :], seq_lens)
-        self._copy(self.block_tables[:b, :width], table)
+        self._copy(self.block_tables[:b, : table.shape[1]], table)
         replay, out = self.graphs[padded]
         replay()
         self.replays += 1

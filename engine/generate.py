@@ -170,8 +170,9 @@ def _check_path(name: str, path: str | None) -> None:
         raise ValueError(f"{name} path does not exist: {path!r}")
 
 
-def checked_speculative_config(**kwargs: Any) -> SpeculativeConfig:
-    config = SpeculativeConfig(**kwargs)
+def checked_speculative_config(attention_backend: str = "auto", **kwargs: Any) -> SpeculativeConfig:
+    """The config, its defaults as under ``attention_backend`` (``SpeculativeConfig.of``)."""
+    config = SpeculativeConfig.of(kwargs, attention_backend)
     _check_path("draft_model", config.draft_model)
     return config
 
@@ -192,7 +193,12 @@ def check_args(
     params = from_options(SamplingParams, SAMPLING_OPTIONS, args)
     spec = None
     if args.speculative_method:
-        spec = from_options(checked_speculative_config, SPECULATIVE_OPTIONS, args)
+        spec = from_options(
+            checked_speculative_config,
+            SPECULATIVE_OPTIONS,
+            args,
+            attention_backend=args.attention_backend,
+        )
     config = from_options(
         checked_engine_config,
         ENGINE_OPTIONS,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -12,12 +12,9 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.processor import PromptType, is_token_id, parse_prompt
 from engine.sampling_params import SamplingParams
 
-# One prompt: text, token ids (ints or numpy integers), or one of vLLM's prompt dicts,
-# {"prompt": text} or {"prompt_token_ids": token ids}.
-Prompt = str | Sequence[int] | np.ndarray | dict[str, Any]
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Messages = list[dict[str, str]]
 
 
@@ -36,13 +33,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Iterable[Prompt],
+        prompts: PromptType | Iterable[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. An output's
         ``prompt`` is the prompt's text, or None for a prompt given as token ids."""
-        batch = [_normalize_prompt(p) for p in _prompt_list(prompts)]
+        batch = [parse_prompt(p) for p in _prompt_list(prompts)]
         return self._generate(batch, sampling_params, use_tqdm)
 
     def chat(
@@ -117,56 +114,15 @@ def render_chat(tokenizer: Any, messages: Messages) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def _prompt_list(prompts: Prompt | Iterable[Prompt]) -> list:
+def _prompt_list(prompts: PromptType | Iterable[PromptType]) -> list:
     """One prompt -> [it]; several -> a list. Token ids (a list whose first element is an
     integer, or a 1-D numpy array) are one prompt; a 2-D array is one prompt per row."""
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
-    if isinstance(prompts, str | dict) or not isinstance(prompts, Iterable):
+    if isinstance(prompts, str | Mapping) or not isinstance(prompts, Iterable):
         return [prompts]
     items = list(prompts)
-    return [items] if items and _is_token_id(items[0]) else items
-
-
-def _normalize_prompt(prompt: Prompt) -> str | list[int]:
-    """What the engine takes: text, or token ids as Python ints."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict):
-        return _from_prompt_dict(prompt)
-    if isinstance(prompt, list | tuple | np.ndarray):
-        return _token_ids(prompt, "prompt")
-    raise ValueError(
-        "prompt must be a str, a list of token ids, {'prompt': str} or "
-        f"{{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}"
-    )
-
-
-def _from_prompt_dict(prompt: dict) -> str | list[int]:
-    if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
-        raise ValueError(
-            "a prompt dict has exactly one key, 'prompt' (text) or 'prompt_token_ids', "
-            f"got {list(prompt)}"
-        )
-    if "prompt_token_ids" in prompt:
-        return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
-    text = prompt["prompt"]
-    if not isinstance(text, str):
-        raise ValueError(f"prompt must be a str, got {type(text).__name__}")
-    return text
-
-
-def _token_ids(value: object, name: str) -> list[int]:
-    """Token ids as Python ints (numpy integers converted); the engine checks their range."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if not isinstance(value, list | tuple) or not all(_is_token_id(t) for t in value):
-        raise ValueError(f"{name} must be a list of integer token ids, got {value!r:.80}")
-    return [int(t) for t in value]
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+    return [items] if items and is_token_id(items[0]) else items
 
 
 def _params_list(

@@ -28,64 +28,67 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def new_sample(self, request: Request, seq: Sequence, index: int) -> SampleState:
+    def new_sample(
+        self, request: Request, seq: Sequence, index: int, parent: SampleState | None = None
+    ) -> SampleState:
+        """The record of ``request``'s sample ``index`` (a fork of ``parent``'s, if given)."""
         detokenizer = (
             None
             if self.tokenizer is None
             else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         )
-        logprobs = [] if request.params.logprobs is not None else None
-        sample = SampleState(index, seq, detokenizer, logprobs=logprobs)
+        draft = None if parent is None else parent.draft.fork()
+        sample = SampleState(request, index, seq, detokenizer, draft)
         request.samples.append(sample)
         return sample
 
     def append(
-        self,
-        request: Request,
-        sample: SampleState,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
+        self, sample: SampleState, token_ids: list[int], logprobs: list[dict[int, float]] | None
     ) -> list[int]:
         """Take ``token_ids`` one at a time until a stop condition; return the ones kept."""
-        params = request.params
-        num_outputs = sample.seq.num_output_tokens
-        length = len(sample.seq)
+        params = sample.request.params
+        seq = sample.seq
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        length = len(seq.token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        detokenizer, eos = sample.detokenizer, self.eos_token_ids
         for j, token in enumerate(token_ids):
             num_outputs += 1
             length += 1
             if sample.logprobs is not None and logprobs is not None:
                 sample.logprobs.append(logprobs[j])
-            delta = sample.detokenizer.add(token) if sample.detokenizer else ""
-            stop_token = num_outputs >= params.min_tokens and token in params.stop_token_ids
-            if not stop_token or params.include_stop_str_in_output:
+            delta = detokenizer.add(token) if detokenizer else ""
+            if num_outputs < params.min_tokens:
                 sample.text += delta
-            if num_outputs >= params.min_tokens:
-                if token in self.eos_token_ids and not params.ignore_eos:
+            else:
+                stop_token = token in params.stop_token_ids
+                if not stop_token or params.include_stop_str_in_output:
+                    sample.text += delta
+                if token in eos and not params.ignore_eos:
                     sample.finish_reason = "stop"
                 elif stop_token:
                     sample.finish_reason, sample.stop_reason = "stop", token
                 elif params.stop_strings:
-                    self._check_stop_strings(request, sample, len(delta))
-            if not sample.finished and (
-                (params.max_tokens is not None and num_outputs >= params.max_tokens)
-                or length >= self.max_model_len
+                    self._check_stop_strings(sample, len(delta))
+            if sample.finish_reason is None and (
+                num_outputs >= max_tokens or length >= self.max_model_len
             ):
                 sample.finish_reason = "length"
-            if sample.finished:
-                if sample.detokenizer and not isinstance(sample.stop_reason, str):
-                    sample.text += sample.detokenizer.flush()  # held for an unfinished char
+            if sample.finish_reason is not None:
+                if detokenizer and not isinstance(sample.stop_reason, str):
+                    sample.text += detokenizer.flush()  # held for an unfinished char
                 return token_ids[: j + 1]
         return token_ids
 
     @staticmethod
-    def _check_stop_strings(request: Request, sample: SampleState, new_chars: int) -> None:
+    def _check_stop_strings(sample: SampleState, new_chars: int) -> None:
         """A stop string ends the text just before it (or after it, with
         ``include_stop_str_in_output``); only the new characters can complete one."""
-        text = sample.text
-        for stop in request.params.stop_strings:
+        text, params = sample.text, sample.request.params
+        for stop in params.stop_strings:
             at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
             if at >= 0:
-                keep = at + len(stop) if request.params.include_stop_str_in_output else at
+                keep = at + len(stop) if params.include_stop_str_in_output else at
                 sample.text = text[:keep]
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 return

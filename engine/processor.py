@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling_params import SamplingParams
 
-PromptType = str | list[int] | Mapping[str, Any]
+# One prompt: text, token ids (ints or numpy integers, in a list, a tuple or a 1-D array or
+# tensor), or one of vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": token ids}.
+PromptType = str | Sequence[int] | np.ndarray | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass(frozen=True)
@@ -46,34 +50,21 @@ class Processor:
         return ProcessedRequest(text, token_ids, copy.deepcopy(params))
 
     def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """str, token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, Mapping):
-            if set(prompt) == {"prompt"}:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
-            elif set(prompt) == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-                if isinstance(prompt, str):
-                    raise ValueError("prompt_token_ids must be a list of token ids, got str")
-            else:
-                raise ValueError(
-                    "a prompt dict must have exactly one key, 'prompt' or 'prompt_token_ids'; "
-                    f"got {sorted(prompt)}"
-                )
+        """The prompt's text (None for token ids) and its token ids, checked against the
+        vocabulary and max_model_len."""
+        prompt = parse_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
             token_ids = encode_prompt(self.tokenizer, prompt)
             text = prompt
-        elif isinstance(prompt, list | tuple) or hasattr(prompt, "tolist"):
-            token_ids = _token_ids(prompt, self.vocab_size)
-            text = None
         else:
-            raise ValueError(
-                f"prompt must be a str, a list of token ids or a prompt dict, "
-                f"got {type(prompt).__name__}"
-            )
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
+                )
+            token_ids, text = prompt, None
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
@@ -110,18 +101,40 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True) if text else []
 
 
-def _token_ids(prompt: Any, vocab_size: int) -> list[int]:
-    """Python ints from a list, tuple or 1-D array of integers (numpy's included)."""
-    values = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-    if not isinstance(values, list):
-        raise ValueError(f"prompt token ids must be one-dimensional, got {prompt!r}")
-    bad = [
-        t
-        for t in values
-        if isinstance(t, bool)
-        or not isinstance(t, numbers.Integral)
-        or not 0 <= int(t) < vocab_size
-    ]
-    if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
-    return [int(t) for t in values]
+def parse_prompt(prompt: PromptType) -> str | list[int]:
+    """One prompt as text, or as token ids in Python ints (their range is checked by
+    ``Processor``, which knows the vocabulary). ValueError names the bad field."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+            raise ValueError(
+                "a prompt dict has exactly one key, 'prompt' (text) or 'prompt_token_ids', "
+                f"got {list(prompt)}"
+            )
+        if "prompt_token_ids" in prompt:
+            return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a str, got {type(text).__name__}")
+        return text
+    if isinstance(prompt, list | tuple) or hasattr(prompt, "tolist"):
+        return _token_ids(prompt, "prompt")
+    raise ValueError(
+        "prompt must be a str, a list of token ids, {'prompt': str} or "
+        f"{{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}"
+    )
+
+
+def is_token_id(value: object) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(value: object, name: str) -> list[int]:
+    """Token ids as Python ints from a list, tuple or 1-D array or tensor of integers."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, list | tuple) or not all(is_token_id(t) for t in value):
+        raise ValueError(f"{name} must be a list of integer token ids, got {value!r:.80}")
+    return [int(t) for t in value]

@@ -5,29 +5,70 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import derive_seed
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft_state import DraftState
 from scheduler import Sequence
 
 
-@dataclass
 class SampleState:
-    """One of a request's n samples: its sequence, text so far and finish state.
+    """The one record the engine keeps per sequence (``seq.owner``): one of a request's n
+    samples, its text so far, finish state, and what speculation keeps about it (``draft``).
+    Forking a sample copies ``draft``; nothing about a sequence lives anywhere else above the
+    scheduler and the block manager, so retiring it is dropping the record.
 
     ``text`` is everything decoded so far (cut at a stop string once one matched); what a caller
     sees of an unfinished sample may hold back its tail (``OutputProcessor``).
     """
 
-    index: int
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
+    __slots__ = (
+        "request",
+        "index",
+        "seq",
+        "detokenizer",
+        "text",
+        "finish_reason",
+        "stop_reason",
+        "logprobs",
+        "draft",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        index: int,
+        seq: Sequence,
+        detokenizer: IncrementalDetokenizer | None,
+        draft: DraftState | None = None,
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.seq = seq
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if request.params.logprobs is not None else None
+        )
+        self.draft = DraftState() if draft is None else draft
+        seq.owner = self
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def draft_seed(self) -> int | None:
+        """What a drafter seeds this sample's drafts with: the request's seed, mixed with the
+        sample's index for i > 0 (drafters seed by (seed, position), and n samples sharing one
+        seed would share their drafts wherever their histories meet)."""
+        seed = self.request.params.seed
+        return seed if seed is None or self.index == 0 else derive_seed(seed, self.index)
 
 
 @dataclass
@@ -41,4 +82,4 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        return all(sample.finish_reason is not None for sample in self.samples)

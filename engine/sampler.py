@@ -100,6 +100,18 @@ def _check_range(
             raise ValueError(f"{name} must be {rule}, got {value} at row {i}")
 
 
+def derive_seed(seed: int, *parts: int) -> int:
+    """The one derivation of a seed from a request's seed: what a seeded sample draws at some
+    place (its sample index, output position, ...) depends on (seed, *parts) alone, never on
+    the batch around it."""
+    return hash((seed, *parts)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seeded_generator(device: torch.device, seed: int, *parts: int) -> torch.Generator:
+    """A generator of its own for (seed, *parts): ``derive_seed``."""
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, *parts))
+
+
 _ARGMAX_BLOCK, _ARGMAX_MIN_ROWS = 1024, 16
 
 

@@ -14,72 +14,92 @@ tokens then depend on what was drafted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from itertools import accumulate
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import Sampler, SamplingBatch, argmax_rows, processed_probs, token_logprobs
+from engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    argmax_rows,
+    processed_probs,
+    seeded_generator,
+    token_logprobs,
+)
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection import rejection_sample
-
-Verify = Callable[[Sequence[int], Sequence[Sequence[int]], Sequence[int]], list[list[int]]]
+from engine.spec_decode.rejection import rejection_sample, verify_deterministic_drafts
 
 
-@dataclass(frozen=True)
-class SampleJob:
+class SampleJob(NamedTuple):
     params: SamplingParams
     index: int  # which of the request's n samples
     num_outputs: int  # output tokens before this step
     token_ids: Sequence[int]  # the prompt, then those num_outputs tokens (for penalties)
-    rows: torch.Tensor  # float32 [1 + len(drafts), V] of the target's logits
-    drafts: Sequence[int]
+    row: int  # its first row in the step's logits: 1 + len(drafts) rows are its own
+    drafts: Sequence[int] = ()
     draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
 
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.drafts)
 
-@dataclass(frozen=True)
-class SampleResult:
+
+class SampleResult(NamedTuple):
     token_ids: list[int]  # accepted drafts, then one recovered or bonus token
     logprobs: list[dict[int, float]] | None
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, eos_token_ids: set[int], verify: Verify) -> None:
+    def __init__(self, sampler: Sampler, eos_token_ids: set[int]) -> None:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
-        self.verify = verify
 
-    def __call__(self, jobs: list[SampleJob]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, jobs: list[SampleJob]) -> list[SampleResult]:
+        """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
+        if not jobs:
+            return []
+        raw = _gather_rows(logits, jobs)
+        rows = self._mask_min_tokens(raw, jobs)
+        starts = _starts(jobs)
         sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
-        plain = sorted(set(range(len(jobs))) - set(sampled))
-        tokens: list[list[int]] = [[] for _ in jobs]
-        for i, emitted in zip(plain, self._sample_and_match([jobs[i] for i in plain]), strict=True):
-            tokens[i] = emitted
-        for i, emitted in zip(sampled, self._rejection([jobs[i] for i in sampled]), strict=True):
-            tokens[i] = emitted
+        if not sampled:
+            tokens = self._sample_and_match(rows, jobs, starts)
+        else:
+            tokens: list[list[int]] = [[] for _ in jobs]
+            plain = sorted(set(range(len(jobs))) - set(sampled))
+            for group, verify in ((plain, self._sample_and_match), (sampled, self._rejection)):
+                if not group:
+                    continue
+                picked = [jobs[i] for i in group]
+                index = torch.cat([torch.arange(starts[i], starts[i] + jobs[i].num_rows)
+                                   for i in group])  # fmt: skip
+                sub = rows[index.to(rows.device)]
+                for i, emitted in zip(group, verify(sub, picked, _starts(picked)), strict=True):
+                    tokens[i] = emitted
         # logprobs are of the raw rows: before min_tokens masking, penalties and temperature
         return [
             SampleResult(
                 emitted,
                 None
                 if job.params.logprobs is None
-                else token_logprobs(job.rows, emitted, job.params.logprobs),
+                else token_logprobs(
+                    raw[start : start + job.num_rows], emitted, job.params.logprobs
+                ),
             )
-            for job, emitted in zip(jobs, tokens, strict=True)
+            for job, emitted, start in zip(jobs, tokens, starts, strict=True)
         ]
 
-    def _batch(self, jobs: list[SampleJob]) -> tuple[torch.Tensor, SamplingBatch, list[int]]:
-        """Every row of every job, masked for min_tokens and penalised (row j of a span counts
-        drafts[:j] as generated), with its sampling parameters."""
-        starts, rows, params, generators = [], [], [], []
+    def _batch(
+        self, logits: torch.Tensor, jobs: list[SampleJob]
+    ) -> tuple[torch.Tensor, SamplingBatch]:
+        """The jobs' rows penalised (row j of a span counts drafts[:j] as generated), with
+        their sampling parameters."""
+        params, generators = [], []
         for job in jobs:
-            starts.append(len(params))
-            rows.append(self._mask_min_tokens(job))
-            params.extend([job.params] * job.rows.shape[0])
-            generators.extend(_position_generators(job))
-        logits = concat_rows(rows)
+            params.extend([job.params] * job.num_rows)
+            generators.extend(_position_generators(job, logits.device))
         if any(job.params.has_penalties for job in jobs):  # else no work at all
             logits = apply_penalties(logits, [_history(job) for job in jobs])
         batch = SamplingBatch.from_params(
@@ -90,25 +110,27 @@ class StepSampler:
             generators=generators,
             device=logits.device,
         )
-        return logits, batch, starts
+        return logits, batch
 
-    def _sample_and_match(self, jobs: list[SampleJob]) -> list[list[int]]:
+    def _sample_and_match(
+        self, rows: torch.Tensor, jobs: list[SampleJob], starts: list[int]
+    ) -> list[list[int]]:
         """Deterministic drafts: one target sample per row; a draft is accepted iff equal."""
-        if not jobs:
-            return []
         if all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs):
             # Greedy fast path (what the sampler computes for an all-greedy batch, which draws
             # nothing): the argmax of each row, without building sampling parameters or
             # generators; a batch-1 decode step spent ~0.2 ms in those.
-            starts = list(accumulate((job.rows.shape[0] for job in jobs[:-1]), initial=0))
-            logits = concat_rows([self._mask_min_tokens(job) for job in jobs])
-            samples = argmax_rows(logits).tolist()
+            samples = argmax_rows(rows).tolist()
         else:
-            logits, batch, starts = self._batch(jobs)
+            logits, batch = self._batch(rows, jobs)
             samples = self.sampler(logits, batch).tolist()
-        return self.verify(samples, [job.drafts for job in jobs], starts)
+        if all(not job.drafts for job in jobs):  # plain decode: one token per job
+            return [[samples[start]] for start in starts]
+        return verify_deterministic_drafts(samples, [job.drafts for job in jobs], starts)
 
-    def _rejection(self, jobs: list[SampleJob]) -> list[list[int]]:
+    def _rejection(
+        self, rows: torch.Tensor, jobs: list[SampleJob], starts: list[int]
+    ) -> list[list[int]]:
         """Sampled drafts: accept x with min(1, p(x)/q(x)), else resample norm(max(0, p - q)).
 
         A seeded job is verified on its own: how many uniforms a row draws depends on the
@@ -118,13 +140,18 @@ class StepSampler:
         groups = [[i] for i, job in enumerate(jobs) if job.params.seed is not None]
         tokens: list[list[int]] = [[] for _ in jobs]
         for group in groups + ([unseeded] if unseeded else []):
-            for i, emitted in zip(group, self._verify_group([jobs[i] for i in group]), strict=True):
+            picked = [jobs[i] for i in group]
+            index = torch.cat([torch.arange(starts[i], starts[i] + jobs[i].num_rows)
+                               for i in group])  # fmt: skip
+            sub = rows[index.to(rows.device)]
+            for i, emitted in zip(group, self._verify_group(sub, picked), strict=True):
                 tokens[i] = emitted
         return tokens
 
-    def _verify_group(self, jobs: list[SampleJob]) -> list[list[int]]:
-        logits, batch, starts = self._batch(jobs)
+    def _verify_group(self, rows: torch.Tensor, jobs: list[SampleJob]) -> list[list[int]]:
+        logits, batch = self._batch(rows, jobs)
         p = processed_probs(logits, batch)
+        starts = _starts(jobs)
         k = max(len(job.drafts) for job in jobs)
         if all(len(job.drafts) == k for job in jobs):  # no padding: p's rows as they lie
             target = p.view(len(jobs), k + 1, p.shape[-1])
@@ -139,8 +166,12 @@ class StepSampler:
                 target[s, : n + 1] = p[start : start + n + 1]
                 q[s, :n] = job.draft_probs
                 drafts[s, :n] = torch.tensor(job.drafts)
-        seed = jobs[0].params.seed
-        generator = self.sampler.generator if seed is None else _round_generator(jobs[0])
+        job = jobs[0]
+        generator = (
+            self.sampler.generator
+            if job.params.seed is None
+            else seeded_generator(p.device, job.params.seed, job.index, job.num_outputs, 1)
+        )
         out = rejection_sample(
             target,
             drafts.to(p.device),
@@ -150,55 +181,52 @@ class StepSampler:
         )
         return [[t for t in row if t >= 0] for row in out.tolist()]
 
-    def _mask_min_tokens(self, job: SampleJob) -> torch.Tensor:
+    def _mask_min_tokens(self, rows: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (row j of a
-        span is output number num_outputs + j). Logprobs still come from the raw rows."""
-        short = job.params.min_tokens - job.num_outputs
-        if short <= 0:
-            return job.rows
-        banned = list(self.eos_token_ids | set(job.params.stop_token_ids))
-        rows = job.rows.clone()
-        rows[:short, banned] = float("-inf")
-        return rows
+        job is output number num_outputs + j): a masked copy of ``rows`` where any job is
+        short; logprobs still come from the raw rows."""
+        masked, start = None, 0
+        for job in jobs:
+            short = min(job.params.min_tokens - job.num_outputs, job.num_rows)
+            if short > 0:
+                masked = rows.clone() if masked is None else masked
+                banned = list(self.eos_token_ids | set(job.params.stop_token_ids))
+                masked[start : start + short, banned] = float("-inf")
+            start += job.num_rows
+        return rows if masked is None else masked
+
+
+def _starts(jobs: list[SampleJob]) -> list[int]:
+    starts, start = [], 0
+    for job in jobs:
+        starts.append(start)
+        start += job.num_rows
+    return starts
+
+
+def _gather_rows(logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
+    """Every job's rows, back to back: a view of ``logits`` when they already lie so (every
+    step without n > 1 forks or leaves), else one gather."""
+    index, pos, in_place = [], 0, True
+    for job in jobs:
+        n = job.num_rows
+        in_place = in_place and job.row == pos
+        index.extend(range(job.row, job.row + n))
+        pos += n
+    if in_place:
+        return logits[:pos]
+    return logits[torch.tensor(index, device=logits.device)]
 
 
 def _history(job: SampleJob) -> TokenHistory:
     num_prompt_tokens = len(job.token_ids) - job.num_outputs
-    return TokenHistory(job.params, job.token_ids, num_prompt_tokens, job.drafts, job.rows.shape[0])
+    return TokenHistory(job.params, job.token_ids, num_prompt_tokens, job.drafts, job.num_rows)
 
 
-def _round_generator(job: SampleJob) -> torch.Generator:
-    """A seeded sample's randomness for one verification round."""
-    return torch.Generator(device=job.rows.device).manual_seed(
-        hash((job.params.seed, job.index, job.num_outputs, 1)) & 0x7FFF_FFFF_FFFF_FFFF
-    )
-
-
-def _position_generators(job: SampleJob) -> list[torch.Generator | None]:
+def _position_generators(job: SampleJob, device: torch.device) -> list[torch.Generator | None]:
     seed = job.params.seed
     if seed is None:
-        return [None] * job.rows.shape[0]  # the sampler's shared generator
-    device = job.rows.device
+        return [None] * job.num_rows  # the sampler's shared generator
     return [
-        torch.Generator(device=device).manual_seed(
-            hash((seed, job.index, job.num_outputs + j)) & 0x7FFF_FFFF_FFFF_FFFF
-        )
-        for j in range(job.rows.shape[0])
+        seeded_generator(device, seed, job.index, job.num_outputs + j) for j in range(job.num_rows)
     ]
-
-
-def concat_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(rows) of 2-D row blocks, as a view when they already lie back to back in one
-    tensor (every step without n > 1 forks or min_tokens masking): no copy of B x vocab floats."""
-    first = rows[0]
-    offset = first.storage_offset()
-    for r in rows:
-        if (
-            r.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or r.storage_offset() != offset
-            or not r.is_contiguous()
-        ):
-            return torch.cat(rows)
-        offset += r.numel()
-    width = first.shape[1]
-    return first.as_strided((sum(r.shape[0] for r in rows), width), (width, 1))

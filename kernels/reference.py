@@ -16,29 +16,13 @@ the gather, the rest SDPA. Chunks of 4 MiB beat 1-2 MiB (more per-chunk overhead
 (page faults, cache misses) in that measurement.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.checks import check_paged_attention_args, check_write_kv_cache_args
-
-MAX_TREE_TOKENS = 64  # a tree_mask entry has one bit per span token
-
-
-def tree_mask_of(parents: Sequence[int]) -> list[int]:
-    """paged_attention's tree_mask entries (int64 values) for a span whose token j has parent
-    token ``parents[j]`` (< j; -1 for the first token only): each token sees its ancestors and
-    itself."""
-    if len(parents) > MAX_TREE_TOKENS:
-        raise ValueError(f"a tree span holds at most {MAX_TREE_TOKENS} tokens, got {len(parents)}")
-    bits: list[int] = []
-    for j, parent in enumerate(parents):
-        if (parent < 0) != (j == 0) or parent >= j:
-            raise ValueError(f"parents[{j}] must be in [0, {j}) (-1 for token 0), got {parent}")
-        bits.append((bits[parent] if parent >= 0 else 0) | 1 << j)
-    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+from kernels.tree_mask import MAX_TREE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -251,8 +235,8 @@ def _plan_chunk(
     mask = kv_pos <= q_pos[:, :, None]  # [c, max_q, L]
     if tree_mask is not None:  # bit j clear: token j of the span is hidden (j < 64)
         rel = kv_pos - (kv - ql)[:, None]  # [c, L]: key position within the span
-        in_tree = ((rel >= 0) & (rel < 64))[:, None, :]
-        bits = tree_mask[tok][:, :, None] >> rel.clamp(0, 63)[:, None, :]
+        in_tree = ((rel >= 0) & (rel < MAX_TREE_TOKENS))[:, None, :]
+        bits = tree_mask[tok][:, :, None] >> rel.clamp(0, MAX_TREE_TOKENS - 1)[:, None, :]
         mask &= ~in_tree | (bits & 1).bool()
     mask = mask.repeat_interleave(group, dim=1)  # [c, max_q * G, L]
     return _Chunk(blocks.reshape(-1), stale, starts, mask[:, None], tok, q_valid, max_q)

@@ -3,6 +3,7 @@
 from memory.block_manager import BlockManager, BlockStats
 from memory.block_pool import NoFreeBlocksError
 from memory.kv_cache import allocate_kv_caches, kv_block_bytes, num_kv_blocks
+from memory.slots import slot_mapping
 
 __all__ = [
     "BlockManager",
@@ -11,4 +12,5 @@ __all__ = [
     "allocate_kv_caches",
     "kv_block_bytes",
     "num_kv_blocks",
+    "slot_mapping",
 ]

@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from memory.block_pool import ROOT_HASH, BlockPool, NoFreeBlocksError
+from memory.slots import slot_mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,17 +186,9 @@ class BlockManager:
             raise ValueError(
                 f"need 0 <= start <= end <= num_tokens ({seq.num_tokens}), got [{start}, {end})"
             )
-        size = self.block_size
-        table = seq.table
-        slots: list[int] = []
-        pos = start
-        while pos < end:  # one range per block touched
-            index, offset = divmod(pos, size)
-            run = min(size - offset, end - pos)
-            base = table[index] * size + offset
-            slots.extend(range(base, base + run))
-            pos += run
-        return slots
+        positions = np.arange(start, end)
+        table = np.asarray(seq.table, dtype=np.int64)[None]
+        return slot_mapping(table, np.zeros_like(positions), positions, self.block_size).tolist()
 
     # --- rollback / lifecycle --------------------------------------------------------------
 
@@ -206,6 +201,8 @@ class BlockManager:
             raise ValueError(
                 f"num_tokens must be in [0, {seq.num_tokens}] for seq_id {seq_id}, got {num_tokens}"
             )
+        if num_tokens == seq.num_tokens:
+            return
         keep = -(-num_tokens // self.block_size)
         table = seq.table
         release = self._pool.release

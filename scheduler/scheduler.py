@@ -13,8 +13,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memory import BlockManager
+from memory import BlockManager, NoFreeBlocksError
 from scheduler.sequence import Sequence, SequenceStatus
+
+RUNNING = SequenceStatus.RUNNING
 
 
 @dataclass(frozen=True)
@@ -24,26 +26,42 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
 
-@dataclass(frozen=True)
 class ScheduledSequence:
     """One sequence's part of a step: compute ``token_ids[start : start + num_new_tokens]``.
 
     ``block_table`` is a snapshot taken after this step's slots were reserved: it covers
     ``start + num_new_tokens + num_lookahead_slots`` positions, so the model runner (and a draft
-    model) can address every slot of the step without asking the block manager.
+    model) can address every slot of the step without asking the block manager. ``samples``:
+    the step reaches the end of the sequence, so it samples there. Built once per sequence per
+    step, so a plain class with slots (a frozen dataclass costs ~3x as much to make).
     """
 
-    seq: Sequence
-    num_new_tokens: int  # tokens of ``seq.token_ids`` computed this step
-    num_lookahead_slots: int = 0  # slots reserved after them for draft tokens
-    block_table: tuple[int, ...] = ()
-    start: int = field(init=False)  # seq.num_computed_tokens when scheduled
-    samples: bool = field(init=False)  # the step reaches the end of the sequence: sample there
+    __slots__ = ("seq", "num_new_tokens", "num_lookahead_slots", "block_table", "start", "samples")
 
-    def __post_init__(self) -> None:
-        start = self.seq.num_computed_tokens
-        object.__setattr__(self, "start", start)
-        object.__setattr__(self, "samples", start + self.num_new_tokens == len(self.seq))
+    def __init__(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        num_lookahead_slots: int = 0,
+        block_table: tuple[int, ...] = (),
+    ) -> None:
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.num_lookahead_slots = num_lookahead_slots
+        self.block_table = block_table
+        self.start = start = seq.num_computed_tokens
+        self.samples = start + num_new_tokens == len(seq.token_ids)
+
+    @property
+    def end(self) -> int:
+        """One past the last scheduled token's position."""
+        return self.start + self.num_new_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledSequence({self.seq!r}, new={self.num_new_tokens}, "
+            f"lookahead={self.num_lookahead_slots})"
+        )
 
 
 @dataclass
@@ -95,23 +113,25 @@ class Scheduler:
         """Pick this step's sequences. ``num_lookahead_slots``: the draft slots to reserve after
         a decode (k, or k per sequence); fewer when the token budget or max_model_len is short.
         """
-        lookahead = (
-            num_lookahead_slots if callable(num_lookahead_slots) else lambda _: num_lookahead_slots
-        )
+        lookahead = num_lookahead_slots if callable(num_lookahead_slots) else None
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
         scheduled_ids: set[int] = set()
+        bm = self.block_manager
+        running = RUNNING
 
         for seq in [s for s in self.running if s.is_decoding]:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            k = min(lookahead(seq), budget - 1, self.config.max_model_len - len(seq))
-            k = max(k, 0)
+            k = num_lookahead_slots if lookahead is None else lookahead(seq)
+            if k:
+                k = max(min(k, budget - 1, max_len - len(seq.token_ids)), 0)
             if not self._reserve(seq, 1 + k, out):
                 continue  # seq itself was preempted
-            out.scheduled.append(self._scheduled(seq, 1, k))
+            out.scheduled.append(ScheduledSequence(seq, 1, k, tuple(bm.block_table(seq.seq_id))))
             scheduled_ids.add(seq.seq_id)
             budget -= 1 + k
 
@@ -186,15 +206,18 @@ class Scheduler:
         """
         bm = self.block_manager
         extra = seq.num_computed_tokens + num_tokens - bm.num_tokens(seq.seq_id)
-        while extra > 0 and not bm.can_append(seq.seq_id, extra):
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is seq:
-                return False
-        if extra > 0:
-            cow = bm.append(seq.seq_id, extra)
+        while extra > 0:
+            try:
+                cow = bm.append(seq.seq_id, extra)
+            except NoFreeBlocksError:  # nothing changed: make room and try again
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    return False
+                continue
             if cow is not None:
                 out.blocks_to_copy.append(cow)
+            break
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

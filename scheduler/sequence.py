@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class SequenceStatus(enum.Enum):
@@ -28,6 +29,7 @@ class Sequence:
         "num_computed_tokens",
         "status",
         "seats",
+        "owner",
     )
 
     def __init__(self, seq_id: int, token_ids: list[int]):
@@ -39,6 +41,9 @@ class Sequence:
         # Slots of max_num_seqs this sequence holds: n for a prompt that will fork into n
         # samples once its prefill is done, then 1 for each of them.
         self.seats = 1
+        # The engine's record of this sequence (its request, sampling params and drafter state);
+        # opaque here. It rides along with every ScheduledSequence: nothing below asks up.
+        self.owner: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -44,7 +44,7 @@ def test_graphed_decode_gives_the_eager_tokens(max_blocks, tiny_llama):
 
 
 def test_graphs_only_take_plain_decode_steps(tiny_llama):
-    from engine.model_runner import Span
+    from engine.spans import Span
 
     engine = LLMEngine(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=16))
     graphs = DecodeGraphs(engine.runner, [1, 2], max_blocks=2, capture=rerun_capture)

@@ -7,18 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import (
-    DEFAULT_DISABLE_BATCH_SIZE,
-    DEFAULT_DISABLE_TREE_BATCH_SIZE,
-    DEFAULT_DRAFT_LEAVES,
-    EAGLE_DISABLE_BATCH_SIZE,
-    EngineConfig,
-    SpeculativeConfig,
-)
-from engine.model_runner import Span
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.manager import SpeculationManager
+from engine.spans import Span
+from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.proposers import Proposal, chain_drafts
+from engine.spec_decode.speculation import Speculation
 from engine.spec_decode.tree import DraftTree, tree_slots
 
 
@@ -51,19 +45,30 @@ def test_bad_draft_leaves_are_refused(fields, match):
 
 
 def test_draft_leaves_defaults():
-    assert SpeculativeConfig(method="eagle").leaves == DEFAULT_DRAFT_LEAVES
-    assert SpeculativeConfig(method="eagle", draft_leaves=5).leaves == 5
-    assert SpeculativeConfig(method="ngram").leaves == 0
-    assert SpeculativeConfig(method="ngram", draft_leaves=0).leaves == 0
+    assert SpeculativeConfig(method="eagle").draft_leaves == 3
+    assert SpeculativeConfig(method="eagle", draft_leaves=None).draft_leaves == 3
+    assert SpeculativeConfig(method="eagle", draft_leaves=5).draft_leaves == 5
+    assert SpeculativeConfig(method="ngram").draft_leaves == 0
+    assert SpeculativeConfig(method="ngram", draft_leaves=0).draft_leaves == 0
+    # the span limit holds for the default leaves too, and chains alone are not trees
+    with pytest.raises(ValueError, match="must be < 64"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=61)
+    assert SpeculativeConfig(method="eagle", num_speculative_tokens=64, draft_leaves=0)
 
 
 def test_xformers_has_no_tree_masks_so_eagle_verifies_chains_there():
-    chains = EngineConfig(attention_backend="xformers", speculative_config={"method": "eagle"})
-    assert chains.speculative_config.leaves == 0
-    with pytest.raises(ValueError, match="draft_leaves needs tree masks"):
-        EngineConfig(attention_backend="xformers",
-                     speculative_config={"method": "eagle", "draft_leaves": 2})  # fmt: skip
-    assert EngineConfig(speculative_config={"method": "eagle"}).speculative_config.leaves
+    """Under xformers, eagle's draft_leaves left unset (or None) in a dict is 0; set above 0 it
+    is refused, and so is a SpeculativeConfig built with leaves (its default already filled)."""
+    for unset in ({"method": "eagle"}, {"method": "eagle", "draft_leaves": None}):
+        chains = EngineConfig(attention_backend="xformers", speculative_config=unset)
+        assert chains.speculative_config.draft_leaves == 0
+    explicit = ({"method": "eagle", "draft_leaves": 2}, SpeculativeConfig(method="eagle"))
+    for spec in explicit:
+        with pytest.raises(ValueError, match="draft_leaves needs tree masks.*'xformers'"):
+            EngineConfig(attention_backend="xformers", speculative_config=spec)
+    chains = SpeculativeConfig(method="eagle", draft_leaves=0)
+    assert EngineConfig(attention_backend="xformers", speculative_config=chains)
+    assert EngineConfig(speculative_config={"method": "eagle"}).speculative_config.draft_leaves
 
 
 def _scheduled(n: int) -> list:
@@ -113,7 +118,14 @@ def test_leaves_go_where_their_paths_are_likeliest_within_each_sequences_slots()
     assert trees == {0: DraftTree(3, (1, 1, 3, 3))}
 
 
-def test_the_manager_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first():
+def speculation(config: SpeculativeConfig, proposer=None) -> Speculation:
+    return Speculation(config, proposer or SimpleNamespace(), None, None, max_model_len=100)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=50)
+
+
+def test_the_round_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first():
     config = SpeculativeConfig(method="eagle", num_speculative_tokens=3, draft_leaves=6)
     seen = {}
 
@@ -124,43 +136,44 @@ def test_the_manager_reserves_tree_slots_and_gives_cut_slots_to_the_chain_first(
             seen.update(ks=ks, leaf_slots=leaf_slots)
             return Proposal([[] for _ in ks], [None] * len(ks), {})
 
-    manager = SpeculationManager(config, Proposer(), max_model_len=100)
-    params = SamplingParams(temperature=0, max_tokens=50)
-    lookahead = manager.lookahead(1, lambda s: params)
+    spec = speculation(config, Proposer())
+    lookahead = spec.lookahead(1)
     assert lookahead(_Seq(1, 10)) == 3 + 4 + 2
     assert lookahead(_Seq(49, 60)) == 0  # one token left: no drafts
     assert lookahead(_Seq(47, 60)) == 2 + 4 + 2  # two drafts at most: the chain is cut
     # a full tree; one the scheduler cut to 5 slots; one capped at two drafts
     full = [_Scheduled(_Seq(1, 10), 9), _Scheduled(_Seq(1, 10), 5), _Scheduled(_Seq(47, 60), 8)]
-    manager.propose(full, lambda s: params)
+    spec._propose(full)
     assert seen == {"ks": [3, 3, 2], "leaf_slots": [6, 2, 6]}
 
 
 def test_leaves_only_at_batch_one_and_eagle_off_from_its_own_batch_size():
     """From disable_tree_batch_size busy sequences a step verifies chains alone, and eagle's
-    speculation is off from EAGLE_DISABLE_BATCH_SIZE (n-gram's stays on to 16)."""
-    params = SamplingParams(temperature=0, max_tokens=50)
-    seq, k, tree = _Seq(1, 10), 4, DEFAULT_DISABLE_TREE_BATCH_SIZE
-    eagle = SpeculationManager(SpeculativeConfig(method="eagle"), None, max_model_len=100)
-    assert eagle.lookahead(1, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
-    assert eagle.lookahead(tree - 1, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
-    assert eagle.lookahead(tree, lambda s: params)(seq) == k
-    assert eagle.lookahead(EAGLE_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
-    wide = SpeculationManager(
-        SpeculativeConfig(method="eagle", disable_batch_size=64, disable_tree_batch_size=9),
-        None,
-        max_model_len=100,
+    speculation is off from its own disable_batch_size (n-gram's stays on to 16)."""
+    config = SpeculativeConfig(method="eagle")
+    seq, k, tree, leaves = _Seq(1, 10), 4, config.disable_tree_batch_size, config.draft_leaves
+    eagle = speculation(config)
+    assert eagle.lookahead(1)(seq) == k + leaves
+    assert eagle.lookahead(tree - 1)(seq) == k + leaves
+    assert eagle.lookahead(tree)(seq) == k
+    assert eagle.lookahead(config.disable_batch_size - 1)(seq) == k
+    assert eagle.lookahead(config.disable_batch_size) == 0
+    wide = speculation(
+        SpeculativeConfig(method="eagle", disable_batch_size=64, disable_tree_batch_size=9)
     )
-    assert wide.lookahead(8, lambda s: params)(seq) == k + DEFAULT_DRAFT_LEAVES
-    assert wide.lookahead(63, lambda s: params)(seq) == k
-    ngram = SpeculationManager(SpeculativeConfig(), None, max_model_len=100)
-    assert ngram.lookahead(15, lambda s: params)(seq) == k
-    assert ngram.lookahead(DEFAULT_DISABLE_BATCH_SIZE, lambda s: params)(seq) == 0
+    assert wide.lookahead(8)(seq) == k + leaves
+    assert wide.lookahead(63)(seq) == k
+    ngram = speculation(SpeculativeConfig())
+    assert ngram.lookahead(15)(seq) == k
+    assert ngram.lookahead(16) == 0
 
 
 class _Seq:
     def __init__(self, outputs: int, length: int, seq_id: int = 0) -> None:
         self.seq_id, self.num_output_tokens, self.length = seq_id, outputs, length
+        self.owner = SimpleNamespace(
+            request=SimpleNamespace(params=PARAMS), draft=DraftState(), draft_seed=None
+        )
 
     def __len__(self) -> int:
         return self.length

@@ -11,9 +11,9 @@ from conftest import build_random_eagle_head
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.model_runner import Span
 from engine.models.eagle import SHORT_FEED
 from engine.models.quant import dequantize_q8_0, quantize_q8_0
+from engine.spans import Span
 from engine.spec_decode.eagle_format import load_head
 from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
 from kernels import cpu_extension

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, step_sampler
+from engine.step_sampler import SampleJob
+
+GREEDY = SamplingParams(temperature=0)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 REPETITIVE = "one two three one two three one two three one two"
@@ -91,20 +94,20 @@ def _fast_threads():
 
 
 def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
+    """Jobs whose rows lie in order are sampled from a view of the logits; a fork (the same
+    rows twice) or a gap gathers them."""
     logits = torch.randn(6, 10, generator=gen)
-    rows = [logits[0:1], logits[1:3], logits[3:4]]
-    got = step_sampler.concat_rows(rows)
+
+    def jobs(*rows_and_drafts):
+        return [SampleJob(GREEDY, 0, 1, [1], row, [0] * d) for row, d in rows_and_drafts]
+
+    got = step_sampler._gather_rows(logits, jobs((0, 0), (1, 1), (3, 0)))
     assert torch.equal(got, logits[:4]) and got.data_ptr() == logits.data_ptr()
-    for other in (
-        [logits[0:1], logits[0:1]],  # a fork: the same rows twice
-        [logits[0:1], logits[2:3]],  # a gap
-        [logits[0:1], logits[1:2].clone()],  # masked rows (a copy)
+    for spec, rows in (
+        (((0, 0), (0, 0)), [0, 0]),  # a fork: the same rows twice
+        (((0, 0), (2, 0)), [0, 2]),  # a gap
     ):
-        assert torch.equal(step_sampler.concat_rows(other), torch.cat(other))
-    # A one-row block is contiguous whatever its row stride: the view must not inherit it.
-    base = torch.arange(400.0)
-    odd = [base.as_strided((1, 4), (100, 1), 0), base.as_strided((1, 4), (4, 1), 4)]
-    assert torch.equal(step_sampler.concat_rows(odd), base[:8].view(2, 4))
+        assert torch.equal(step_sampler._gather_rows(logits, jobs(*spec)), logits[rows])
 
 
 def test_seeded_samples_of_one_request_draw_independent_drafts(tiny_llama):

@@ -95,11 +95,10 @@ def test_a_commit_failure_on_a_finishing_step_aborts_its_request_and_frees_its_b
     engine = engine_for(tiny_llama)
     commit = engine.spec.commit
 
-    def failing(seq, *args):
-        request, sample = engine._owner[seq.seq_id]
-        if request.request_id == "bad" and sample.finished:
+    def failing(round, i, record, *args):
+        if record.request.request_id == "bad" and record.finished:
             raise RuntimeError("injected commit failure")
-        return commit(seq, *args)
+        return commit(round, i, record, *args)
 
     engine.spec.commit = failing
     final = run(

@@ -159,7 +159,8 @@ def runner_hidden(
 ) -> torch.Tensor:
     """Every token's hidden states from one ModelRunner prefill over a fresh paged KV cache."""
     from engine.model_loader import model_kv_shape
-    from engine.model_runner import ModelRunner, Span
+    from engine.model_runner import ModelRunner
+    from engine.spans import Span
     from memory import allocate_kv_caches
 
     blocks = -(-len(tokens) // 4)

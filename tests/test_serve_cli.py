@@ -55,3 +55,20 @@ def test_defaults_and_flags_build_the_configs():
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         parse_args(argv)
+
+
+def test_help_reads_the_per_method_defaults_from_the_config_table():
+    parser, _, spec = build_parser()
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps[spec["disable_batch_size"]].endswith("(default: 16, 4 for eagle)")
+    assert helps[spec["max_draft_skip"]].endswith("(default: 16, 0 for eagle)")
+    assert helps[spec["min_draft_confidence"]].endswith("(default: 0, 0.2 for eagle)")
+    assert helps[spec["draft_leaves"]].endswith("(default: 0, 3 for eagle)")
+
+
+def test_xformers_eagle_flags_verify_chains_unless_leaves_are_asked_for():
+    eagle = ["--attention-backend", "xformers", "--speculative-method", "eagle"]
+    assert parse_args(eagle).engine.speculative_config.draft_leaves == 0
+    with pytest.raises(ValueError, match="draft_leaves needs tree masks"):
+        parse_args([*eagle, "--draft-leaves", "2"])
+    assert parse_args(eagle[2:]).engine.speculative_config.draft_leaves == 3

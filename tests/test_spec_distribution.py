@@ -22,7 +22,7 @@ from stats import chi_square_test
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.config import DEFAULT_DRAFT_LEAVES
+from engine.config import METHOD_DEFAULTS
 
 VOCAB = 8
 PROMPT = [1, 5, 3, 1, 5, 3, 7]  # repeats, so n-gram lookup finds drafts
@@ -169,7 +169,8 @@ def test_speculative_sampling_follows_the_target_joint_law(
         assert 0.03 < stats.acceptance_rate < 0.97, stats
     if method == "eagle":  # the default chain stop (min_draft_confidence) ends some chains early
         drafts = stats.num_draft_tokens / stats.num_verifications  # and the default tree's leaves
-        assert 1.2 + DEFAULT_DRAFT_LEAVES < drafts < 2.8 + DEFAULT_DRAFT_LEAVES, stats
+        leaves = METHOD_DEFAULTS["eagle"]["draft_leaves"]
+        assert 1.2 + leaves < drafts < 2.8 + leaves, stats
     if method == "eagle-tree":  # many rounds end at a leaf, many do not
         assert 0.1 * stats.num_verifications < stats.num_leaf_tokens, stats
         assert stats.num_leaf_tokens < 0.9 * stats.num_verifications, stats

@@ -11,17 +11,11 @@ from conftest import build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.config import (
-    DEFAULT_CHAIN_STOP,
-    DEFAULT_DISABLE_BATCH_SIZE,
-    DEFAULT_MAX_DRAFT_SKIP,
-    EAGLE_DISABLE_BATCH_SIZE,
-    NO_CHAIN_STOP,
-    ChainStop,
-)
-from engine.model_runner import Span
+from engine.config import METHOD_DEFAULTS
 from engine.penalties import TokenHistory
+from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.proposers import NgramProposer, Proposal, chain_drafts, draw_drafts
 
 PROMPTS = [
@@ -131,23 +125,25 @@ def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama, 
 
 def test_draft_backoff_doubles_on_failure_and_resets_on_success():
     backoff = DraftBackoff(max_skip=4)
-    assert backoff.should_draft(7, 0)  # unknown sequence: draft
+    state = DraftState()
+    assert backoff.should_draft(state, 0)  # a new sequence: draft
     pattern, outputs = [], 0
     for accepted in (0, 0, 0, 0, 2, 0):
         outputs += accepted + 1
-        backoff.record(7, accepted, outputs)
+        backoff.record(state, accepted, outputs)
         skipped = 0
-        while not backoff.should_draft(7, outputs):
-            assert backoff.should_draft(7, outputs) is False  # asking changes nothing
+        while not backoff.should_draft(state, outputs):
+            assert backoff.should_draft(state, outputs) is False  # asking changes nothing
             skipped += 1
             outputs += 1  # a plain decode step
         pattern.append(skipped)
     assert pattern == [1, 2, 4, 4, 0, 1]
-    assert backoff.should_draft(8, 0)  # per sequence
-    backoff.record(8, 0, 1)
-    backoff.release(8)
-    assert backoff.should_draft(8, 1)
-    assert DraftBackoff(max_skip=0).should_draft(1, 0)
+    other = DraftState()
+    assert backoff.should_draft(other, 0)  # per sequence
+    backoff.record(other, 0, 1)
+    assert not backoff.should_draft(other, 1)
+    assert backoff.should_draft(DraftState(), 1)  # preempted: a fresh state drafts again
+    assert DraftBackoff(max_skip=0).should_draft(DraftState(), 0)
     with pytest.raises(ValueError, match="max_skip"):
         DraftBackoff(-1)
 
@@ -186,10 +182,10 @@ def test_draft_confidence_shortens_chains_and_keeps_greedy_output(tiny_llama, pa
     assert 1.2 < middle < full - 0.3, drafts_per_round
 
 
-def test_the_chain_stop_applies_each_requests_own_threshold():
+def test_the_chain_stop_ends_greedy_and_sampled_chains_alike():
     """chain_drafts with a drafter whose top-1 probability is always 1/2 (confidence 1/2, 1/4,
-    1/8, ... after each draft): a greedy request stops at ChainStop.greedy, a sampled one in
-    the same batch at ChainStop.sampled, neither past k."""
+    1/8, ... after each draft): greedy and sampled requests in one batch stop at the same
+    threshold, none past k."""
     top = torch.log(torch.tensor([0.5, 0.25, 0.25]))
 
     def forward(spans, owners):
@@ -198,7 +194,7 @@ def test_the_chain_stop_applies_each_requests_own_threshold():
     def draw(logits, rows):
         return [0] * len(rows), logits.softmax(-1)
 
-    def chain_lengths(stop: ChainStop, ks: list[int]) -> list[int]:
+    def chain_lengths(stop: float, ks: list[int]) -> list[int]:
         seq = [
             SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2)
             for i in range(len(ks))
@@ -210,9 +206,9 @@ def test_the_chain_stop_applies_each_requests_own_threshold():
         drafts, _, _ = chain_drafts(scheduled, ks, params, spans, forward, draw, written, stop)
         return [len(d) for d in drafts]
 
-    assert chain_lengths(ChainStop(0.4, 0.2), [4, 4, 4]) == [2, 3, 2]
-    assert chain_lengths(ChainStop(0.2, 0.4), [4, 4, 4]) == [3, 2, 3]
-    assert chain_lengths(NO_CHAIN_STOP, [2, 4, 4]) == [2, 4, 4]
+    assert chain_lengths(0.4, [4, 4, 4]) == [2, 2, 2]
+    assert chain_lengths(0.2, [4, 4, 4]) == [3, 3, 3]
+    assert chain_lengths(0.0, [2, 4, 4]) == [2, 4, 4]
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, "high"])
@@ -221,19 +217,29 @@ def test_draft_confidence_out_of_range_is_rejected(value):
         SpeculativeConfig(min_draft_confidence=value)
 
 
+PER_METHOD = ("disable_batch_size", "max_draft_skip", "min_draft_confidence", "draft_leaves")
+
+
 def test_draft_confidence_and_backoff_defaults_per_method():
-    eagle, draft = SpeculativeConfig(method="eagle"), SpeculativeConfig("draft", draft_model="x")
-    assert eagle.chain_stop == DEFAULT_CHAIN_STOP and eagle.draft_skip == 0
-    assert 0 < DEFAULT_CHAIN_STOP.greedy <= DEFAULT_CHAIN_STOP.sampled < 1
-    assert draft.chain_stop == NO_CHAIN_STOP == ChainStop(0.0, 0.0)
-    assert draft.draft_skip == DEFAULT_MAX_DRAFT_SKIP > 0
-    assert SpeculativeConfig().draft_skip == DEFAULT_MAX_DRAFT_SKIP  # ngram
-    assert eagle.off_batch_size == EAGLE_DISABLE_BATCH_SIZE < DEFAULT_DISABLE_BATCH_SIZE
-    assert draft.off_batch_size == SpeculativeConfig().off_batch_size == DEFAULT_DISABLE_BATCH_SIZE
-    assert SpeculativeConfig("eagle", disable_batch_size=9).off_batch_size == 9
+    """The defaults README and --help quote, filled in from METHOD_DEFAULTS at construction,
+    whether a field is left out or passed as None."""
+    expected = {
+        "ngram": (16, 16, 0.0, 0),
+        "draft": (16, 16, 0.0, 0),
+        "eagle": (4, 0, 0.2, 3),  # off sooner, no backoff, chains stop, a draft tree
+    }
+    for method, values in expected.items():
+        model = "x" if method == "draft" else None
+        left_out = SpeculativeConfig(method, draft_model=model)
+        as_none = SpeculativeConfig(method, draft_model=model, **dict.fromkeys(PER_METHOD))
+        assert left_out == as_none
+        assert tuple(getattr(left_out, name) for name in PER_METHOD) == values, method
+        assert dict(zip(PER_METHOD, values, strict=True)) == METHOD_DEFAULTS[method]
+    assert type(SpeculativeConfig().min_draft_confidence) is float
+    assert SpeculativeConfig("eagle", disable_batch_size=9).disable_batch_size == 9
     explicit = SpeculativeConfig(method="eagle", min_draft_confidence=0, max_draft_skip=4)
-    assert explicit.chain_stop == NO_CHAIN_STOP and explicit.draft_skip == 4
-    assert SpeculativeConfig("eagle", min_draft_confidence=0.5).chain_stop == ChainStop(0.5, 0.5)
+    assert explicit.min_draft_confidence == 0.0 and explicit.max_draft_skip == 4
+    assert SpeculativeConfig("eagle", min_draft_confidence=0.5).min_draft_confidence == 0.5
     with pytest.raises(ValueError, match="max_draft_skip must be an integer >= 0"):
         SpeculativeConfig(max_draft_skip=-1)
     with pytest.raises(ValueError, match="disable_batch_size must be an integer >= 1"):

@@ -6,14 +6,14 @@ import torch
 
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection import rejection_sample, verify_deterministic_drafts
+from engine.spec_decode.rejection import rejection_sample
 from engine.step_sampler import SampleJob, StepSampler
 
 EOS = 3
 
 
 def step_sampler() -> StepSampler:
-    return StepSampler(Sampler(seed=0), {EOS}, verify_deterministic_drafts)
+    return StepSampler(Sampler(seed=0), {EOS})
 
 
 def first_max(row: torch.Tensor) -> int:
@@ -32,26 +32,27 @@ def test_greedy_jobs_take_the_argmax_without_a_sampling_batch(gen, monkeypatch):
     logits[0, [EOS, 9]] = 50.0  # a tie, and EOS on top: banned while under min_tokens
     logits[3, [5, 11]] = 40.0
     top = [first_max(row) for row in logits]
+    # rows: job 0 rows 0-2, job 1 row 0 (again: a fork), job 2 row 3, job 3 rows 4-5
     jobs = [
         # 2 drafts: the first one right, the second wrong -> [draft 0, argmax of row 1]
-        SampleJob(SamplingParams(temperature=0), 0, 4, [1, 2], logits[0:3], [top[0], 15 - top[1]]),
+        SampleJob(SamplingParams(temperature=0), 0, 4, [1, 2], 0, [top[0], 15 - top[1]]),
         # min_tokens not reached: EOS (and stop id 9) masked in its one row
         SampleJob(
             SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[9], seed=7),
             0,
             1,
             [1],
-            logits[0:1],
+            0,
             [],
         ),  # fmt: skip
-        SampleJob(SamplingParams(temperature=0, seed=1), 0, 0, [1], logits[3:4], []),
+        SampleJob(SamplingParams(temperature=0, seed=1), 0, 0, [1], 3, []),
         # every draft accepted: the bonus row's argmax follows
-        SampleJob(SamplingParams(temperature=0), 0, 2, [1], logits[4:6], [top[4]]),
+        SampleJob(SamplingParams(temperature=0), 0, 2, [1], 4, [top[4]]),
     ]
     masked = logits[0].clone()
     masked[[EOS, 9]] = float("-inf")
     expected = [[top[0], top[1]], [first_max(masked)], [5], [top[4], top[5]]]
-    results = step_sampler()(jobs)
+    results = step_sampler()(logits, jobs)
     assert [r.token_ids for r in results] == expected
     assert all(r.logprobs is None for r in results)
 
@@ -62,9 +63,9 @@ def test_greedy_with_penalties_goes_through_the_penalised_sampler(gen):
     logits[0, 4], logits[0, 6] = 3.0, 2.0
     history = [1, 4]  # token 4 was generated: penalised 3.0 / 2 = 1.5 < 2.0
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
-    (result,) = step_sampler()([SampleJob(params, 0, 1, history, logits, [])])
+    (result,) = step_sampler()(logits, [SampleJob(params, 0, 1, history, 0, [])])
     assert result.token_ids == [6]
-    (plain,) = step_sampler()([SampleJob(SamplingParams(temperature=0), 0, 1, history, logits, [])])
+    (plain,) = step_sampler()(logits, [SampleJob(SamplingParams(temperature=0), 0, 1, history, 0)])
     assert plain.token_ids == [4]
 
 
@@ -78,7 +79,8 @@ def test_sampled_drafts_reach_rejection_sample_row_for_row(gen, counts):
     q = [(torch.randn(n, vocab, generator=gen) * 3).softmax(-1) for n in counts]
     drafts = [torch.multinomial(rows, 1, generator=gen).view(-1).tolist() for rows in q]
     params = SamplingParams(temperature=1.0)
-    jobs = [SampleJob(params, 0, 1, [1], *args) for args in zip(logits, drafts, q, strict=True)]
+    starts = [sum(counts[:s]) + s for s in range(len(counts))]
+    jobs = [SampleJob(params, 0, 1, [1], *args) for args in zip(starts, drafts, q, strict=True)]
     target = torch.zeros(len(counts), k + 1, vocab)
     draft_probs = torch.zeros(len(counts), k, vocab)
     draft_ids = torch.zeros(len(counts), k, dtype=torch.long)
@@ -88,7 +90,7 @@ def test_sampled_drafts_reach_rejection_sample_row_for_row(gen, counts):
     expected = rejection_sample(
         target, draft_ids, draft_probs, torch.tensor(counts), Sampler(seed=0).generator
     )
-    results = step_sampler()(jobs)
+    results = step_sampler()(torch.cat(logits), jobs)
     assert [r.token_ids for r in results] == [
         [t for t in row if t >= 0] for row in expected.tolist()
     ]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kernels
-from kernels.reference import tree_mask_of
 from kernels.testing import make_paged_problem
+from kernels.tree_mask import tree_mask_of
 
 BACKENDS = ["torch", "cpu", "triton"]
 

@@ -7,7 +7,8 @@ import torch
 from conftest import build_random_llama
 
 from engine.model_loader import load_model, model_kv_shape
-from engine.model_runner import ModelRunner, Span, tree_depths
+from engine.model_runner import ModelRunner
+from engine.spans import Span, tree_depths
 from memory import allocate_kv_caches
 
 BLOCK = 4

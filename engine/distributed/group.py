@@ -25,7 +25,8 @@ from engine.distributed import comm
 from engine.distributed.comm import WorkerError
 from engine.distributed.shard import TPShard
 from engine.distributed.worker import run_worker
-from engine.model_runner import ModelRunner, Span
+from engine.model_runner import ModelRunner
+from engine.spans import Span
 
 # How long shutdown waits for a worker to exit by itself before killing it.
 _EXIT_WAIT_S = 5.0

@@ -11,6 +11,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from engine.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
+    METHOD_DEFAULTS,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -50,15 +51,14 @@ HELP = {
     "num_speculative_tokens": "most drafts per sequence per step",
     "ngram_min": "shortest n-gram the n-gram proposer matches",
     "ngram_max": "longest n-gram the n-gram proposer matches",
-    "disable_batch_size": "no speculation in steps with this many sequences running or waiting "
-    "(default: 16, 4 for eagle)",
+    "disable_batch_size": "no speculation in steps with this many sequences running or waiting",
     "disable_tree_batch_size": "no draft-tree leaves (chains only) in steps with this many "
     "sequences running or waiting",
-    "max_draft_skip": "most steps a sequence skips drafting after a failed round "
-    "(default: 16, 0 for eagle)",
+    "max_draft_skip": "most steps a sequence skips drafting after a failed round",
     "sample_drafts": "draft models sample drafts at temperature > 0 (else argmax)",
-    "min_draft_confidence": "stop a draft chain below this product of top-1 draft "
-    "probabilities (default for eagle: 0.2; 0 for draft)",
+    "min_draft_confidence": "stop a draft chain below this product of top-1 draft probabilities",
+    "draft_leaves": "eagle: draft-tree leaves verified beside the chain (0: chains only, the "
+    "default under xformers)",
 }
 SKIPPED = {"speculative_config"}  # set through the SpeculativeConfig flags
 DEFAULTS = {"method": None}  # speculation is off unless --speculative-method is given
@@ -76,6 +76,16 @@ class ServerArgs:
     engine: EngineConfig
 
 
+def method_defaults_text(name: str) -> str:
+    """A SpeculativeConfig field's per-method default (engine.config.METHOD_DEFAULTS) as --help
+    shows it: "16, 4 for eagle"."""
+    methods_of: dict[float, list[str]] = {}
+    for method, defaults in METHOD_DEFAULTS.items():
+        methods_of.setdefault(defaults[name], []).append(method)
+    (most, _), *others = sorted(methods_of.items(), key=lambda item: -len(item[1]))
+    return ", ".join([f"{most:g}"] + [f"{v:g} for {' and '.join(m)}" for v, m in others])
+
+
 def speculative_dest(name: str) -> str:
     """``method`` → ``speculative_method``; names that already say draft/speculative stay."""
     return name if "speculative" in name or "draft" in name else f"speculative_{name}"
@@ -85,6 +95,8 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: object, dest: str
     flag = "--" + dest.replace("_", "-")
     default = DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
     help_text = HELP.get(f.name, f.name.replace("_", " "))
+    if f.name in METHOD_DEFAULTS["ngram"]:
+        help_text += f" (default: {method_defaults_text(f.name)})"
     if hint is bool:
         group.add_argument(
             flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text
@@ -163,7 +175,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     spec = None
     if args.speculative_method is not None:
-        spec = from_options(checked_speculative_config, spec_options, args)
+        spec = from_options(
+            checked_speculative_config,
+            spec_options,
+            args,
+            attention_backend=args.attention_backend,
+        )
     engine = from_options(checked_engine_config, engine_options, args, speculative_config=spec)
     return ServerArgs(
         host=args.host,

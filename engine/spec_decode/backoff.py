@@ -15,35 +15,26 @@ Asking whether to draft changes nothing (a step that fails and is retried asks a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class _State:
-    resume_at: int = 0  # drafting resumes once the sequence has this many output tokens
-    backoff: int = 0  # length of the last skip
+from engine.spec_decode.draft_state import DraftState
 
 
 class DraftBackoff:
+    """The rule; its state lives on each sequence's ``DraftState``."""
+
     def __init__(self, max_skip: int) -> None:
         if max_skip < 0:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
         self.max_skip = max_skip
-        self._states: dict[int, _State] = {}
 
-    def should_draft(self, seq_id: int, num_output_tokens: int) -> bool:
-        state = self._states.get(seq_id)
-        return state is None or num_output_tokens >= state.resume_at
+    @staticmethod
+    def should_draft(state: DraftState, num_output_tokens: int) -> bool:
+        return num_output_tokens >= state.resume_at
 
-    def record(self, seq_id: int, num_accepted: int, num_output_tokens: int) -> None:
+    def record(self, state: DraftState, num_accepted: int, num_output_tokens: int) -> None:
         """A verification round committed: ``num_accepted`` drafts were accepted and the
         sequence now has ``num_output_tokens`` outputs."""
-        state = self._states.setdefault(seq_id, _State())
         if num_accepted > 0:
             state.backoff = 0
         else:
             state.backoff = min(max(1, 2 * state.backoff), self.max_skip)
         state.resume_at = num_output_tokens + state.backoff
-
-    def release(self, seq_id: int) -> None:
-        self._states.pop(seq_id, None)

@@ -22,18 +22,18 @@ head nothing but a feature copy most of the time.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
-from engine.config import NO_CHAIN_STOP, ChainStop
 from engine.model_loader import LoadedModel, default_dtype
-from engine.model_runner import ModelRunner, Span
+from engine.model_runner import ModelRunner
 from engine.models.eagle import EagleHead
 from engine.models.layers import Linear
 from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
+from engine.spans import Span
+from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.eagle_format import (
     feature_layers,
     feature_layers_fit,
@@ -83,13 +83,6 @@ def load_eagle_head(
     return head
 
 
-@dataclasses.dataclass(frozen=True)
-class _State:
-    valid: int  # the head's KV covers positions < valid
-    first: int  # position of features[0]
-    features: torch.Tensor  # [n, H]: the target's features at first, first + 1, ...
-
-
 class EagleProposer:
     runs_every_span = True
     needs_target_hidden = True
@@ -98,7 +91,7 @@ class EagleProposer:
         self,
         runner: ModelRunner,
         seed: int,
-        chain_stop: ChainStop = NO_CHAIN_STOP,
+        chain_stop: float = 0.0,
         leaves: int = 0,
     ) -> None:
         self.runner = runner
@@ -108,7 +101,6 @@ class EagleProposer:
         self.chain_stop = chain_stop
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self.max_deferred = MAX_DEFERRED
-        self._states: dict[int, _State] = {}
 
     def propose(
         self,
@@ -122,7 +114,9 @@ class EagleProposer:
         spans, features, written, fed = [], [], {}, []
         for i, (s, k) in enumerate(zip(scheduled, ks, strict=True)):
             seq, end = s.seq, s.start  # feed positions valid..C, C = s.start
-            state = self._states.get(seq.seq_id)
+            state = seq.owner.draft
+            if state.valid is None:
+                state = None  # nothing fed yet
             start = s.start if state is None else min(state.valid, s.start)
             if not k and state is not None and end + 1 - start <= self.max_deferred:
                 continue  # deferred: commit() keeps this step's features
@@ -154,7 +148,7 @@ class EagleProposer:
             drafts[i], sampled[i] = chain, q
         return Proposal(drafts, sampled, written, {fed[j]: tree for j, tree in trees.items()})
 
-    def _features(self, state: _State | None, start: int, end: int) -> torch.Tensor:
+    def _features(self, state: DraftState | None, start: int, end: int) -> torch.Tensor:
         """feature_{i-1} for positions i in [start, end): stored ones, zeros where unknown."""
         head = self.head
         out = torch.zeros(end - start, head.config.hidden_size, dtype=head.fc.weight.dtype,
@@ -202,20 +196,17 @@ class EagleProposer:
 
     def commit(
         self,
-        seq_id: int,
+        state: DraftState,
         written: tuple[int, list[int]] | None,
         new_token_ids: list[int],
         target: TargetStep,
     ) -> int | None:
-        state = self._states.get(seq_id)
         if written is None:  # deferred: the step's features join the stored ones
-            if state is None:
+            if state.valid is None:
                 return None
             assert target.first_position == state.first + state.features.shape[0]
             new = target.hidden[: target.num_computed - target.first_position]
-            self._states[seq_id] = dataclasses.replace(
-                state, features=torch.cat([state.features, new])
-            )
+            state.features = torch.cat([state.features, new])
             return state.valid
         # The drafts' KV (computed from the head's own h) is not kept even where accepted:
         # the head was trained on KV from the target's features, so the next step feeds those
@@ -223,15 +214,8 @@ class EagleProposer:
         valid = written[0]
         first = target.first_position  # <= valid - 1: the step computed from there
         keep = target.hidden[valid - 1 - first : target.num_computed - first]
-        self._states[seq_id] = _State(valid, valid - 1, keep.clone())
+        state.valid, state.first, state.features = valid, valid - 1, keep.clone()
         return valid
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        if parent_id in self._states:
-            self._states[child_id] = self._states[parent_id]
-
-    def release(self, seq_id: int) -> None:
-        self._states.pop(seq_id, None)

@@ -17,11 +17,12 @@ from typing import Protocol
 
 import torch
 
-from engine.config import NO_CHAIN_STOP, ChainStop
-from engine.model_runner import ModelRunner, Span
+from engine.model_runner import ModelRunner
 from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
+from engine.sampler import SamplingBatch, processed_probs, sample_from_probs, seeded_generator
 from engine.sampling_params import SamplingParams
+from engine.spans import Span
+from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.tree import DraftTree
 from scheduler import ScheduledSequence
@@ -67,13 +68,15 @@ class Proposer(Protocol):
 
     def commit(
         self,
-        seq_id: int,
+        state: DraftState,
         written: tuple[int, list[int]] | None,
         new_token_ids: list[int],
         target: TargetStep,
     ) -> int | None:
-        """The step commits ``new_token_ids`` (they follow what the step computed): returns how
-        many of the sequence's tokens the proposer's own KV then covers (None: it keeps none)."""
+        """The step commits ``new_token_ids`` (they follow what the step computed) for the
+        sequence whose ``DraftState`` is ``state`` (the proposer's per-sequence state lives
+        there, nowhere else): returns how many of the sequence's tokens the proposer's own KV
+        then covers (None: it keeps none)."""
         ...
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -83,12 +86,6 @@ class Proposer(Protocol):
         ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
-
-    def fork(self, parent_id: int, child_id: int) -> None: ...
-
-    def release(self, seq_id: int) -> None:
-        """Forget per-sequence state (the sequence finished or was preempted)."""
-        ...
 
 
 class NgramProposer:
@@ -115,7 +112,7 @@ class NgramProposer:
 
     def commit(
         self,
-        seq_id: int,
+        state: DraftState,
         written: tuple[int, list[int]] | None,
         new_token_ids: list[int],
         target: TargetStep,
@@ -123,12 +120,6 @@ class NgramProposer:
         return None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        pass
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        pass
-
-    def release(self, seq_id: int) -> None:
         pass
 
 
@@ -148,11 +139,10 @@ class DraftModelProposer:
     needs_target_hidden = False
     hidden_layers = ()
 
-    def __init__(self, runner: ModelRunner, seed: int, chain_stop: ChainStop = NO_CHAIN_STOP):
+    def __init__(self, runner: ModelRunner, seed: int, chain_stop: float = 0.0):
         self.runner = runner
         self.generator = torch.Generator(device=runner.device).manual_seed(seed)
         self.chain_stop = chain_stop
-        self._valid: dict[int, int] = {}  # seq_id → tokens whose draft KV is valid
 
     def propose(
         self,
@@ -164,7 +154,8 @@ class DraftModelProposer:
         for s, k in zip(scheduled, ks, strict=True):
             seq = s.seq
             # no state: a new or re-admitted sequence; its prefix-cache hits are draft-valid
-            start = min(self._valid.get(seq.seq_id, s.start), s.start)
+            valid = seq.owner.draft.valid
+            start = s.start if valid is None else min(valid, s.start)
             end = s.start + s.num_new_tokens
             spans.append(Span(seq.token_ids[start:end], start, 1 if k else 0, s.block_table))
             written[seq.seq_id] = (end, [])
@@ -183,31 +174,24 @@ class DraftModelProposer:
 
     def commit(
         self,
-        seq_id: int,
+        state: DraftState,
         written: tuple[int, list[int]] | None,
         new_token_ids: list[int],
         target: TargetStep,
     ) -> int | None:
         if written is None:
-            return self._valid.get(seq_id, 0)
+            return state.valid or 0
         base, fed = written
         valid = base  # new_token_ids sit at positions base, base + 1, ...
         for draft, token in zip(fed, new_token_ids, strict=False):
             if draft != token:
                 break
             valid += 1
-        self._valid[seq_id] = valid
+        state.valid = valid
         return valid
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        self._valid[child_id] = self._valid.get(parent_id, 0)
-
-    def release(self, seq_id: int) -> None:
-        """The sequence finished or lost its blocks (preemption): its draft KV is gone."""
-        self._valid.pop(seq_id, None)
 
 
 def draw_drafts(
@@ -239,11 +223,7 @@ def draw_drafts(
     )
     q = processed_probs(penalised, batch)
     generators = [
-        None
-        if p.seed is None
-        else torch.Generator(device=logits.device).manual_seed(
-            hash((p.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF
-        )
+        None if p.seed is None else seeded_generator(logits.device, p.seed, position, 1)
         for p, (_, position) in zip(params, rows, strict=True)
     ]
     return sample_from_probs(q, generators, generator), q
@@ -266,7 +246,7 @@ def chain_drafts(
     forward: Forward,
     draw: Draw,
     written: dict[int, tuple[int, list[int]]],
-    chain_stop: ChainStop = NO_CHAIN_STOP,
+    chain_stop: float = 0.0,
     leaves: int = 0,
     alternatives: Alternatives | None = None,
     leaf_slots: list[int] | None = None,
@@ -276,8 +256,7 @@ def chain_drafts(
     ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
     turns its logit rows into drafts and q; each draft but the last is fed back (and recorded
     in ``written``) until sequence i has ``ks[i]`` drafts or the product of its drafts' top-1
-    probabilities (softmax of the raw logits) falls below ``chain_stop``'s threshold for the
-    request (greedy or sampled).
+    probabilities (softmax of the raw logits) falls below ``chain_stop``.
 
     With ``leaves``, sequence i also gets up to min(leaves, ``leaf_slots[i]``) leaves of a
     DraftTree (``engine.spec_decode.tree``): ``alternatives`` gives each depth's next-best tokens
@@ -292,7 +271,7 @@ def chain_drafts(
     probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
     confidence = [1.0] * len(scheduled)  # the chain's path: its top-1 probabilities' product
     active = [i for i, k in enumerate(ks) if k]
-    stop = {i: chain_stop.threshold(params[i].greedy) for i in active}
+    stop = {i: chain_stop for i in active}
     with_leaves = bool(leaves) and alternatives is not None and leaf_slots is not None
     logits = forward(spans, list(range(len(spans))))
     step = 0

@@ -55,7 +55,7 @@ def sequence_features(
     ``layers``, then the post-norm final one. Sequences sorted by length go through ``runner``
     (``target_runner``) in packed prefills of at most ``batch_tokens`` tokens (and at most the
     runner's KV cache), each sequence its own span."""
-    from engine.model_runner import Span
+    from engine.spans import Span
 
     block_size, capacity = runner.block_size, runner.kv_caches[0][0].shape[0]
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))

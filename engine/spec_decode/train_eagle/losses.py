@@ -46,7 +46,7 @@ def head_loss(head, batch: dict, steps: int, noise: float, ce_weight: float, dec
     return total, metrics
 
 
-# min_draft_confidence values the evaluation reports (engine.config.DEFAULT_CHAIN_STOP)
+# min_draft_confidence values the evaluation reports (the default: engine.config.METHOD_DEFAULTS)
 CHAIN_STOPS = (0.1, 0.2, 0.3, 0.4, 0.5)
 # The temperature of sampled_accept (benchmarks/spec_decode.py's sampled runs).
 SAMPLED_TEMPERATURE = 0.8

@@ -1,0 +1,309 @@
+"""Speculation as one plug-in round of the engine step.
+
+The engine runs every step through one of these objects and never sees a proposer, a draft
+tree, a feature or a KV move:
+
+    k     = spec.lookahead(num_busy)           # draft slots per sequence, for the scheduler
+    round = spec.prepare(sched)                # drafts, and the spans that verify them
+    out   = runner.forward(round.spans, **round.forward_options)
+    res   = spec.verify(round, out)            # sample, or verify drafts (and leaves)
+    spec.commit(round, i, sample, ...)         # per committing sample: backoff, drafter state
+
+``NoSpeculation`` is the round with speculation off (the spans are the scheduled tokens,
+sampled where they end); ``Speculation`` wraps a proposer (n-gram, draft model or EAGLE head).
+``prepare`` and ``verify`` change no state: a step that fails before ``commit`` is retried or
+isolated as if it never ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.model_runner import ModelRunner
+from engine.request import SampleState
+from engine.spans import Span
+from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.draft_state import DraftState
+from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
+from engine.spec_decode.tree import tree_slots
+from engine.step_sampler import SampleJob, SampleResult, StepSampler
+from scheduler import ScheduledSequence, SchedulerOutput, Sequence
+
+NO_PROPOSAL = Proposal([], [], {})
+
+
+@dataclasses.dataclass
+class Round:
+    """One step's work: ``spans[i]`` computes ``scheduled[i]`` (and its drafts)."""
+
+    scheduled: list[ScheduledSequence]
+    spans: list[Span]
+    proposal: Proposal = NO_PROPOSAL
+    forward_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # set by verify: per scheduled index, the drafter's features of the span's rows (or None),
+    # and the span index of a draft-tree leaf whose token was emitted
+    features: list[torch.Tensor | None] | None = None
+    leaf_hits: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def drafts(self, i: int) -> list[int]:
+        return self.proposal.drafts[i] if self.proposal.drafts else []
+
+
+class NoSpeculation:
+    """Speculation off: each span is a sequence's scheduled tokens, sampled where it ends."""
+
+    def __init__(self, sampler: StepSampler, k: int = 0) -> None:
+        self.sampler = sampler
+        self.k = k
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+        self.num_leaf_tokens = 0
+        self.accepted_by_position = [0] * k
+
+    def lookahead(self, num_busy: int) -> int | Callable[[Sequence], int]:
+        return 0
+
+    def prepare(self, sched: SchedulerOutput) -> Round:
+        spans = [
+            Span(s.seq.token_ids[s.start : s.end], s.start, 1 if s.samples else 0, s.block_table)
+            for s in sched.scheduled
+        ]
+        return Round(sched.scheduled, spans)
+
+    def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
+        """Per scheduled sequence, one result per sample it feeds (n when a prompt forks)."""
+        jobs, owners = [], []
+        row = 0
+        for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
+            if not span.num_logits:
+                continue
+            record: SampleState = s.seq.owner
+            params, outputs = record.request.params, len(s.seq.token_ids) - s.seq.num_prompt_tokens
+            # (a finished prompt feeds all n samples at once)
+            for index in (record.index,) if outputs else range(params.n):
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row))
+                owners.append(i)
+            row += span.num_logits
+        return _by_owner(len(round.scheduled), owners, self.sampler(output, jobs))
+
+    def commit(
+        self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
+    ) -> int | None:
+        """``record`` (scheduled as ``round.scheduled[i]``, or a fork of it) commits ``kept``
+        of the ``emitted`` tokens the step gave it; returns how many of its tokens a drafter's
+        KV covers (None: no drafter KV), capping what prefix caching may register."""
+        return None
+
+    def reset(self, record: SampleState) -> None:
+        """The sequence lost its blocks (preemption): whatever a drafter kept is gone."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return dict(
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_verifications=self.num_verifications,
+            num_leaf_tokens=self.num_leaf_tokens,
+            accepted_by_position=tuple(self.accepted_by_position),
+        )
+
+
+class Speculation(NoSpeculation):
+    """Drafts from a proposer, verified by the target in the same forward; acceptance,
+    backoff and the proposer's per-sequence state (``DraftState``) move in ``commit``."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        sampler: StepSampler,
+        runner: ModelRunner,
+        max_model_len: int,
+    ) -> None:
+        super().__init__(sampler, config.num_speculative_tokens)
+        self.config = config
+        self.proposer = proposer
+        self.runner = runner  # the target's: a kept leaf's K/V moves in its cache
+        self.max_model_len = max_model_len
+        self.backoff = DraftBackoff(config.max_draft_skip)
+
+    # --- before the forward ---------------------------------------------------------------
+    def lookahead(self, num_busy: int) -> int | Callable[[Sequence], int]:
+        """This step's k per sequence: off for the whole step when ``num_busy`` (running +
+        waiting) sequences reach ``disable_batch_size`` (the step is compute-bound, and
+        verification no longer free); else k capped by max_tokens and max_model_len, 0 for a
+        sequence in backoff or with no output yet; with draft leaves the chain's and its
+        leaves' slots (``tree_slots``), the chain alone from ``disable_tree_batch_size``."""
+        config = self.config
+        if num_busy >= config.disable_batch_size:
+            return 0
+        leaves = config.draft_leaves if num_busy < config.disable_tree_batch_size else 0
+        should_draft = self.backoff.should_draft
+
+        def k(seq: Sequence) -> int:
+            outputs = seq.num_output_tokens
+            if not outputs or not should_draft(seq.owner.draft, outputs):
+                return 0
+            return tree_slots(self._max_depth(seq), leaves)
+
+        return k
+
+    def _max_depth(self, seq: Sequence) -> int:
+        """k, capped so that drafts never pass ``max_tokens`` or ``max_model_len``."""
+        params = seq.owner.request.params
+        left = (params.max_tokens or self.max_model_len) - seq.num_output_tokens
+        return max(0, min(self.k, left - 1, self.max_model_len - len(seq) - 1))
+
+    def prepare(self, sched: SchedulerOutput) -> Round:
+        self.proposer.copy_blocks(sched.blocks_to_copy)
+        scheduled = sched.scheduled
+        proposal = self._propose(scheduled)
+        spans = [
+            Span(
+                s.seq.token_ids[s.start : s.end] + drafts,
+                s.start,
+                1 + len(drafts) if s.samples else 0,
+                s.block_table,
+                tree.parents if (tree := proposal.trees.get(i)) else None,
+            )
+            for i, (s, drafts) in enumerate(zip(scheduled, proposal.drafts, strict=True))
+        ]
+        options = {}
+        if self.proposer.needs_target_hidden:
+            options = {"return_hidden": True, "hidden_layers": self.proposer.hidden_layers}
+        return Round(scheduled, spans, proposal, options)
+
+    def _propose(self, scheduled: list[ScheduledSequence]) -> Proposal:
+        """Drafts for the sequences that reserved lookahead slots (a draft model also runs every
+        span). Slots the scheduler cut short (token budget) go to the chain first, then to
+        leaves."""
+        slots = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
+        ks = [min(n, self._max_depth(s.seq)) if n else 0
+              for s, n in zip(scheduled, slots, strict=True)]  # fmt: skip
+        if not (any(ks) or self.proposer.runs_every_span):
+            return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
+        params = [_draft_params(s.seq.owner, self.config) if k else None
+                  for s, k in zip(scheduled, ks, strict=True)]  # fmt: skip
+        if not self.config.draft_leaves:
+            return self.proposer.propose(scheduled, ks, params)
+        leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
+        return self.proposer.propose(scheduled, ks, params, leaf_slots)
+
+    # --- after the forward ----------------------------------------------------------------
+    def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
+        logits = output
+        if self.proposer.needs_target_hidden:
+            logits, hidden = output
+            features = self.proposer.target_features(hidden)
+            round.features = list(features.split([len(s.token_ids) for s in round.spans]))
+        proposal = round.proposal
+        jobs, owners, first_rows = [], [], {}
+        row = 0
+        for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
+            if not span.num_logits:
+                continue
+            record: SampleState = s.seq.owner
+            params, outputs = record.request.params, s.seq.num_output_tokens
+            drafts, q = proposal.drafts[i], proposal.draft_probs[i]
+            if (tree := proposal.trees.get(i)) is not None:  # the chain is verified as one
+                drafts = drafts[: tree.chain]
+            first_rows[i] = row
+            for index in (record.index,) if outputs else range(params.n):
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q))
+                owners.append(i)
+            row += span.num_logits
+        results = _by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
+        if proposal.trees:
+            self._sample_at_leaves(round, logits, jobs, owners, results, first_rows)
+        return results
+
+    def _sample_at_leaves(
+        self,
+        round: Round,
+        logits: torch.Tensor,
+        jobs: list[SampleJob],
+        owners: list[int],
+        results: list[list[SampleResult]],
+        first_rows: dict[int, int],
+    ) -> None:
+        """Where a draft tree's chain emitted the token a leaf holds, one more token from the
+        leaf's row (engine.spec_decode.tree: the target's p after the emitted tokens)."""
+        follow, used = [], []
+        for job, i in zip(jobs, owners, strict=True):
+            tree = round.proposal.trees.get(i)
+            if tree is None:
+                continue
+            emitted = results[i][0].token_ids  # a sequence with drafts feeds one sample
+            leaf = tree.leaf_hit(round.proposal.drafts[i], emitted)
+            if leaf is not None:
+                round.leaf_hits[i] = leaf
+                used.append(i)
+                follow.append(job._replace(
+                    num_outputs=job.num_outputs + len(emitted),
+                    token_ids=[*job.token_ids, *emitted], row=first_rows[i] + leaf,
+                    drafts=(), draft_probs=None,
+                ))  # fmt: skip
+        for i, more in zip(used, self.sampler(logits, follow), strict=True):
+            first = results[i][0]
+            logprobs = None if first.logprobs is None else first.logprobs + (more.logprobs or [])
+            results[i][0] = SampleResult(first.token_ids + more.token_ids, logprobs)
+
+    def commit(
+        self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
+    ) -> int | None:
+        s = round.scheduled[i]
+        num_drafts = len(round.drafts(i))
+        num_computed = s.end + max(len(kept) - 1, 0)
+        features = round.features[i] if round.features is not None else None
+        leaf = round.leaf_hits.get(i)
+        if leaf is not None and len(kept) == emitted:  # the leaf's token is the last but one
+            depth = len(kept) - 1
+            self.runner.move_kv(s.block_table, [(s.start + leaf, s.start + depth)])
+            if features is not None:  # its rows by position, as the proposer reads them
+                features = torch.cat([features[:depth], features[leaf : leaf + 1]])
+            self.num_leaf_tokens += 1
+        if num_drafts:
+            accepted = emitted - 1
+            outputs = record.seq.num_output_tokens + len(kept)
+            self.backoff.record(record.draft, accepted, outputs)
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += accepted
+            self.num_verifications += 1
+            for j in range(accepted):
+                self.accepted_by_position[j] += 1
+        written = round.proposal.written.get(s.seq.seq_id)
+        target = TargetStep(s.start, features, num_computed)
+        return self.proposer.commit(record.draft, written, kept, target)
+
+    def reset(self, record: SampleState) -> None:
+        record.draft = DraftState()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.proposer.copy_blocks(pairs)
+
+
+def _draft_params(record: SampleState, config: SpeculativeConfig):
+    """What a drafter samples a sequence's drafts with: its request's params, seeded for its
+    sample (``SampleState.draft_seed``); the argmax where ``sample_drafts`` is off."""
+    params = record.request.params
+    seed = record.draft_seed
+    if seed != params.seed:
+        params = dataclasses.replace(params, seed=seed)
+    if not config.sample_drafts and params.temperature:
+        params = dataclasses.replace(params, temperature=0.0)
+    return params
+
+
+def _by_owner(num: int, owners: list[int], results: list[SampleResult]) -> list[list[SampleResult]]:
+    grouped: list[list[SampleResult]] = [[] for _ in range(num)]
+    for i, result in zip(owners, results, strict=True):
+        grouped[i].append(result)
+    return grouped
