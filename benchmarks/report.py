@@ -26,6 +26,15 @@ SERVING_TTFT_P99, SERVING_THROUGHPUT = 2.0, 2.0
 SERVING_PEER = "transformers"
 # Issue 17: the peak resident memory of make demo's command, float32 weights, at most (GB).
 DEMO_PEAK_GB = 0.9
+# Issue 50, the host-overhead benchmark (tiny-llama, dummy weights, CPU): at batch 256 without
+# speculation a step of at most this many ms and this many µs of host time per sequence; the step
+# (batch, method) at least this many times faster than HOST_BASELINE's in the same run (batch 1:
+# no slower, as SPEC_LARGE_BATCH).
+HOST_STEP_MS, HOST_US_PER_SEQ, HOST_BASELINE = 4.0, 8.0, "b11ce88"
+HOST_SPEEDUPS = ((256, "off", 2.5), (64, "ngram", 2.0), (1, "off", 0.95), (1, "ngram", 0.95),
+                 (1, "eagle", 0.95))  # fmt: skip
+HOST_PHASES = {"schedule": "schedule", "draft": "draft", "prepare": "prepare inputs",
+               "sample": "sample/verify", "commit": "commit + outputs"}  # fmt: skip
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
     "eagle-k4-wide": "eagle, chains of k, one leaf more",
@@ -333,6 +342,56 @@ def _speedup_by_pass(r: dict, reference: dict) -> str:
     return " / ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs, strict=True))
 
 
+def render_host_overhead(p: dict) -> list[str]:
+    cfg, trees, rows = p["config"], p["trees"], []
+    labels = {name: _tree(name, t) for name, t in trees.items()}
+    for r in p["results"]:
+        b = r["batch_size"]
+        for name in trees:
+            t = r[name]
+            rows.append({"b": b, "method": r["method"], "tree": labels[name],
+                "wall": t["wall_s"] * 1e3, "model": t["model_s"] * 1e3,
+                "draft": t["draft_model_s"] * 1e3, "host": t["host_s"] / b * 1e6,
+                "p": {k: v / b * 1e6 for k, v in t["phases_s"].items()},
+                "tokens": t["tokens_per_seq_step"],
+                "speedup": r.get("speedup") if name == "current" else None})  # fmt: skip
+    timed = {name: ", ".join(f"`{path}`" for path in t["timed"]) for name, t in trees.items()}
+    notes = [
+        *_machine(p),
+        f"- {p['model']} with dummy weights, float32 on the CPU; per batch size B, B requests of "
+        f"{cfg['prompt_len']} random prompt tokens (ngram: 4 of them repeated), greedy, EOS "
+        f"ignored; ngram and eagle (a random head, its draft tree on) k={cfg['k']}, forced on at "
+        f"every B; after prefill and {cfg['warmup_steps']} decode steps, {cfg['steps']} timed "
+        f"decode steps; each figure the median step of a round, then the median over "
+        f"{cfg['rounds']} rounds (seed {cfg['seed']})",
+        "- step: `engine.step()`'s wall time; model: the target's forward and compute_logits; "
+        "draft model: the EAGLE head's; host: (step - model - draft model) / B, by phase (each "
+        "a median of its own, so they need not add up) as the methods below split it: schedule, "
+        "draft (`propose` less the draft model), prepare inputs (the runner's forward less the "
+        "model, speculation's prepare less the draft), sample/verify (the step sampler, "
+        "speculation's verify), commit + outputs (the rest of the step)",
+        *(f"- methods timed, {labels[name]}: {paths}" for name, paths in timed.items()),
+    ]
+    if "baseline" in trees:
+        notes.append("- the trees run in the same run and take turns on every configuration, "
+                     "round by round; 'vs baseline': the median over the rounds of the "
+                     "baseline's step time / the current tree's")  # fmt: skip
+    phases = " | ".join(f"{label} µs/seq={{p[{k}]:.1f}}" for k, label in HOST_PHASES.items())
+    columns = (
+        "B={b} | speculation={method} | tree={tree} | step ms={wall:.2f} | model ms={model:.2f} | "
+        f"draft model ms={{draft:.2f}} | host µs/seq={{host:.1f}} | {phases} | "
+        "tokens/seq/step={tokens:.2f} | vs baseline={speedup:.2fx}"
+    )
+    after = [f"![host µs per sequence]({{results}}/{p['plot']})", ""] if p.get("plot") else []
+    return _section("Host overhead of an engine step", notes, columns, rows, after)
+
+
+def _tree(name: str, tree: dict) -> str:
+    """A tree's label: its name and commit (the current one: with uncommitted changes, if so)."""
+    changed = ", uncommitted changes" if tree.get("uncommitted_changes") else ""
+    return f"{name} ({tree['commit']}{changed})"
+
+
 def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
     rows = [{"on": "on" if r["prefix_caching"] else "off", "r": r} for r in p["results"]]
@@ -499,8 +558,8 @@ def render_run_all(p: dict) -> list[str]:
 
 
 # benchmark name: its renderer, in the page's order.
-NAMES = ("throughput", "accuracy", "latency", "spec_decode", "serving", "soak", "memory",
-         "block_manager", "linear", "kernels", "run_all")  # fmt: skip
+NAMES = ("throughput", "accuracy", "latency", "spec_decode", "host_overhead", "serving", "soak",
+         "memory", "block_manager", "linear", "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -556,6 +615,8 @@ def targets(p: dict) -> list[dict]:
             found.append((name, row["ratio"], SPEC_LARGE_BATCH))
     if p["benchmark"] == "serving":
         found += _serving_targets(p["systems"])
+    if p["benchmark"] == "host_overhead":
+        found += _host_overhead_targets(p)
     if p["benchmark"] == "memory":
         fp32 = [r for r in p["results"] if r["precision"] == "fp32"]
         name = "make demo: peak resident memory, fp32"
@@ -589,6 +650,24 @@ def _serving_targets(systems: dict) -> list[tuple]:
                 name = f"serving, {w}, all at once: output tok/s, pagedspec / {SERVING_PEER}"
                 ratio = r["output_throughput"] / q["output_throughput"] if q["completed"] else None
                 found.append((name, ratio, SERVING_THROUGHPUT))
+    return found
+
+
+def _host_overhead_targets(p: dict) -> list[tuple]:
+    """Issue 50's: batch 256 without speculation's step and host time, and the speedups over
+    HOST_BASELINE (only where the run's baseline is that commit)."""
+    found, rows = [], {(r["batch_size"], r["method"]): r for r in p["results"]}
+    if (256, "off") in rows:
+        current = rows[256, "off"]["current"]
+        name = "host overhead, batch 256, no speculation"
+        found.append((f"{name}: step time", current["wall_s"] * 1e3, HOST_STEP_MS, " ms", "<="))
+        found.append((f"{name}: host time per sequence", current["host_s"] / 256 * 1e6,
+                      HOST_US_PER_SEQ, " µs", "<="))  # fmt: skip
+    baseline = p["trees"].get("baseline", {}).get("commit", "")
+    for b, method, least in HOST_SPEEDUPS * baseline.startswith(HOST_BASELINE):
+        if (b, method) in rows:
+            name = f"host overhead, batch {b}, {method}: step vs {baseline}"
+            found.append((name, rows[b, method]["speedup"], least))
     return found
 
 

@@ -1,9 +1,10 @@
 """``make bench``: every benchmark at CPU size (about 50 minutes on 2 cores: EAGLE ~3-4 of them,
-the serving benchmark ~12 (its peer is slow), the soak 10 and sampled throughput 4),
-each in its own process writing to benchmarks/results, then RESULTS.md regenerated; run_all.json
-records each command, its exit status and wall time. The accuracy table takes ~2 minutes more
-(~10 with llama.cpp); where llama_cpp imports (``make bench-peers``), llama.cpp also runs as a
-throughput peer at each precision the engine has (~4 minutes each).
+the serving benchmark ~12 (its peer is slow), the soak 10, sampled throughput 4 and the host
+overhead ~2 with its baseline commit's worktree), each in its own process writing to
+benchmarks/results, then RESULTS.md regenerated; run_all.json records each command, its exit
+status and wall time. The accuracy table takes ~2 minutes more (~10 with llama.cpp); where
+llama_cpp imports (``make bench-peers``), llama.cpp also runs as a throughput peer at each
+precision the engine has (~4 minutes each).
 """
 
 import datetime
@@ -25,6 +26,8 @@ FULL = {
     "spec_decode": "spec_decode --num-prompts 4 --max-tokens 48 --k-values 2,4,6,8 "
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24 --methods ngram,eagle --eagle-prompts 8 "
     "--eagle-max-tokens 64 --eagle-batch-sizes 2,4,8,16,64",
+    "host_overhead": "host_overhead --batch-sizes 1,64,256 --methods off,ngram,eagle --steps 20 "
+    "--warmup-steps 3 --rounds 3",
     "serving": "serving --rates 0.5,1,2,inf --num-prompts 32 --input-len 32:128 --output-len 32:64 "
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",

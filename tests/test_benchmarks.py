@@ -21,6 +21,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 from benchmarks import (
     block_manager,
     eagle_sweep,
+    host_overhead,
     kernels,
     layer_stack,
     linear,
@@ -244,6 +245,34 @@ def test_targets_judge_the_measured_ratios():
     ]
     name = "grounded: ngram (best k=2) vs HF prompt lookup (best k=2)"
     assert report.targets(sd)[1]["name"] == name
+
+
+def test_host_overhead_targets_judge_the_current_tree_and_its_speedups():
+    def row(b: int, method: str, wall_s: float, host_s: float, speedup: float) -> dict:
+        return {"batch_size": b, "method": method, "speedup": speedup,
+                "current": {"wall_s": wall_s, "host_s": host_s}}  # fmt: skip
+
+    results = [
+        row(1, "off", 4e-4, 3e-4, 0.96),
+        row(1, "eagle", 1e-3, 5e-4, 0.9),
+        row(64, "ngram", 2e-3, 1e-3, 2.1),
+        row(256, "off", 3.9e-3, 256 * 9e-6, 2.4),
+    ]
+    trees = {"current": {"commit": "abc1234"}, "baseline": {"commit": "b11ce88"}}
+    p = {"benchmark": "host_overhead", "trees": trees, "results": results}
+    verdicts = {t["name"]: (round(t["value"], 9), t["passed"]) for t in report.targets(p)}
+    assert verdicts == {
+        "host overhead, batch 256, no speculation: step time": (3.9, True),  # ms
+        "host overhead, batch 256, no speculation: host time per sequence": (9.0, False),  # µs
+        "host overhead, batch 256, off: step vs b11ce88": (2.4, False),
+        "host overhead, batch 64, ngram: step vs b11ce88": (2.1, True),
+        "host overhead, batch 1, off: step vs b11ce88": (0.96, True),
+        "host overhead, batch 1, eagle: step vs b11ce88": (0.9, False),
+    }  # batch 1 ngram was not measured
+    # the speedups are over b11ce88: a run against another commit judges the current tree alone
+    other = p | {"trees": trees | {"baseline": {"commit": "1234567"}}}
+    assert len(report.targets(other)) == 2
+    assert len(report.targets(p | {"results": results[:3]})) == 3
 
 
 @pytest.mark.parametrize(("results", "page"), [("results", "RESULTS.md"),
@@ -502,6 +531,29 @@ def test_spec_decode_eagle_part(tiny_llama, tmp_path):
     names = [t["name"] for t in report.targets(payload)]
     assert names[0] == "eagle: tokens per verification, k=4, greedy" and len(names) == 6
     assert_every_number_shown(payload, "spec_decode.json")
+
+
+def test_host_overhead_times_every_phase_without_a_baseline(tmp_path):
+    argv = ["--batch-sizes", "1,3", "--steps", "2", "--warmup-steps", "1", "--rounds", "2"]
+    argv += ["--no-baseline", "--output-dir", str(tmp_path)]
+    payload = host_overhead.run(host_overhead.build_parser().parse_args(argv))
+    assert json.loads((tmp_path / "host_overhead.json").read_text()) == payload
+    assert (tmp_path / "host_overhead.png").read_bytes()[:8] == PNG_MAGIC
+    assert [(r["batch_size"], r["method"]) for r in payload["results"]] == [
+        (b, m) for b in (1, 3) for m in ("off", "ngram", "eagle")
+    ]
+    for r in payload["results"]:
+        assert "speedup" not in r and "baseline" not in r
+        c = r["current"]
+        assert 0 < c["model_s"] < c["wall_s"] and 0 < c["host_s"] < c["wall_s"]
+        assert (c["draft_model_s"] > 0) == (r["method"] == "eagle")
+        assert set(c["phases_s"]) == set(host_overhead.PHASES)
+        assert all(s >= 0 for s in c["phases_s"].values()) and c["tokens_per_seq_step"] >= 1
+    timed = payload["trees"]["current"]["timed"]
+    assert {"scheduler.schedule", "runner.forward", "step_sampler.__call__"} <= set(timed)
+    assert report.targets(payload) == []  # batch 256 not measured, no baseline
+    assert "## Host overhead of an engine step" in report.render(tmp_path, tmp_path / "R.md")
+    assert_every_number_shown(payload, "host_overhead.json")
 
 
 def test_component_benchmarks_run(tiny_llama, tmp_path, monkeypatch):
