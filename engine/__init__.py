@@ -4,7 +4,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -13,6 +13,7 @@ __all__ = [
     "EngineStats",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SpeculativeConfig",
 ]

@@ -22,7 +22,8 @@ from engine.processor import Processor
 from engine.sampler import Sampler
 from engine.spec_decode.eagle import EagleProposer, load_eagle_head
 from engine.spec_decode.proposers import DraftModelProposer, NgramProposer
-from engine.spec_decode.speculation import NoSpeculation, Speculation
+from engine.spec_decode.round import NoSpeculation
+from engine.spec_decode.speculation import Speculation
 from engine.step_sampler import StepSampler
 from memory import BlockManager, kv_block_bytes
 from scheduler import Scheduler, SchedulerConfig

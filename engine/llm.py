@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -13,7 +14,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processor import PromptType, is_token_id, parse_prompt
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -130,7 +131,7 @@ def _params_list(
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt."""
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * num_prompts
+        return [_final_only(sampling_params or SamplingParams())] * num_prompts
     if not isinstance(sampling_params, list | tuple):
         raise ValueError(
             "sampling_params must be a SamplingParams, a list of them or None, "
@@ -145,4 +146,9 @@ def _params_list(
         raise ValueError(
             f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
         )
-    return list(sampling_params)
+    return [_final_only(p) for p in sampling_params]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """generate() reads each request's finished output alone: the engine makes no other."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -29,12 +29,13 @@ from engine.distributed.group import WorkerError
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
 from engine.request import Request, SampleState
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.speculation import Round
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.spec_decode.round import Round
 from engine.step_sampler import SampleResult
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence, SequenceStatus
 
 FINISHED = SequenceStatus.FINISHED
+CUMULATIVE = RequestOutputKind.CUMULATIVE
 NO_RESULT = [SampleResult([], None)]  # a prompt chunk that does not reach the end samples nothing
 
 
@@ -157,7 +158,7 @@ class LLMEngine:
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
                 progressed[request.request_id] = request
-            if s.samples:
+            if s.samples and (request.params.output_kind is CUMULATIVE or request.finished):
                 progressed[request.request_id] = request
         output = self.outputs.output
         return [output(r) for r in progressed.values()]

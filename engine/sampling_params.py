@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # every step it progressed: everything so far
+    FINAL_ONLY = 2  # only the finished output (what LLM.generate asks for)
 
 
 @dataclass
@@ -28,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
@@ -95,6 +104,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = [kind.name for kind in RequestOutputKind]
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind ({kinds}), got {self.output_kind!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -60,6 +60,10 @@ class StepSampler:
         """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
         if not jobs:
             return []
+        if _plain_greedy(jobs):
+            # the common decode step, one pass: each job's one row, in order, its argmax
+            ids = argmax_rows(logits[: len(jobs)]).tolist()
+            return [SampleResult([token], None) for token in ids]
         raw = _gather_rows(logits, jobs)
         rows = self._mask_min_tokens(raw, jobs)
         starts = _starts(jobs)
@@ -194,6 +198,25 @@ class StepSampler:
                 masked[start : start + short, banned] = float("-inf")
             start += job.num_rows
         return rows if masked is None else masked
+
+
+def _plain_greedy(jobs: list[SampleJob]) -> bool:
+    """Every job greedy, one row each in order (no drafts, forks or gaps), with nothing that
+    changes the argmax or asks for more (penalties, min_tokens, logprobs)."""
+    for row, job in enumerate(jobs):
+        p = job.params
+        if (
+            job.row != row
+            or job.drafts
+            or p.temperature
+            or p.logprobs is not None
+            or p.min_tokens > job.num_outputs
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+        ):
+            return False
+    return True
 
 
 def _starts(jobs: list[SampleJob]) -> list[int]:

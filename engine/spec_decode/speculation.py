@@ -1,19 +1,5 @@
-"""Speculation as one plug-in round of the engine step.
-
-The engine runs every step through one of these objects and never sees a proposer, a draft
-tree, a feature or a KV move:
-
-    k     = spec.lookahead(num_busy)           # draft slots per sequence, for the scheduler
-    round = spec.prepare(sched)                # drafts, and the spans that verify them
-    out   = runner.forward(round.spans, **round.forward_options)
-    res   = spec.verify(round, out)            # sample, or verify drafts (and leaves)
-    spec.commit(round, i, sample, ...)         # per committing sample: backoff, drafter state
-
-``NoSpeculation`` is the round with speculation off (the spans are the scheduled tokens,
-sampled where they end); ``Speculation`` wraps a proposer (n-gram, draft model or EAGLE head).
-``prepare`` and ``verify`` change no state: a step that fails before ``commit`` is retried or
-isolated as if it never ran.
-"""
+"""Speculation on: drafts from a proposer (n-gram, draft model or EAGLE head), verified by
+the target in the same forward (``engine.spec_decode.round`` describes the round)."""
 
 from __future__ import annotations
 
@@ -30,90 +16,10 @@ from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
-from engine.spec_decode.tree import tree_slots
+from engine.spec_decode.round import NoSpeculation, Round, by_owner
+from engine.spec_decode.tree import sample_at_leaves, tree_slots
 from engine.step_sampler import SampleJob, SampleResult, StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
-
-NO_PROPOSAL = Proposal([], [], {})
-
-
-@dataclasses.dataclass
-class Round:
-    """One step's work: ``spans[i]`` computes ``scheduled[i]`` (and its drafts)."""
-
-    scheduled: list[ScheduledSequence]
-    spans: list[Span]
-    proposal: Proposal = NO_PROPOSAL
-    forward_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # set by verify: per scheduled index, the drafter's features of the span's rows (or None),
-    # and the span index of a draft-tree leaf whose token was emitted
-    features: list[torch.Tensor | None] | None = None
-    leaf_hits: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def drafts(self, i: int) -> list[int]:
-        return self.proposal.drafts[i] if self.proposal.drafts else []
-
-
-class NoSpeculation:
-    """Speculation off: each span is a sequence's scheduled tokens, sampled where it ends."""
-
-    def __init__(self, sampler: StepSampler, k: int = 0) -> None:
-        self.sampler = sampler
-        self.k = k
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_verifications = 0
-        self.num_leaf_tokens = 0
-        self.accepted_by_position = [0] * k
-
-    def lookahead(self, num_busy: int) -> int | Callable[[Sequence], int]:
-        return 0
-
-    def prepare(self, sched: SchedulerOutput) -> Round:
-        spans = [
-            Span(s.seq.token_ids[s.start : s.end], s.start, 1 if s.samples else 0, s.block_table)
-            for s in sched.scheduled
-        ]
-        return Round(sched.scheduled, spans)
-
-    def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
-        """Per scheduled sequence, one result per sample it feeds (n when a prompt forks)."""
-        jobs, owners = [], []
-        row = 0
-        for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
-            if not span.num_logits:
-                continue
-            record: SampleState = s.seq.owner
-            params, outputs = record.request.params, len(s.seq.token_ids) - s.seq.num_prompt_tokens
-            # (a finished prompt feeds all n samples at once)
-            for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row))
-                owners.append(i)
-            row += span.num_logits
-        return _by_owner(len(round.scheduled), owners, self.sampler(output, jobs))
-
-    def commit(
-        self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
-    ) -> int | None:
-        """``record`` (scheduled as ``round.scheduled[i]``, or a fork of it) commits ``kept``
-        of the ``emitted`` tokens the step gave it; returns how many of its tokens a drafter's
-        KV covers (None: no drafter KV), capping what prefix caching may register."""
-        return None
-
-    def reset(self, record: SampleState) -> None:
-        """The sequence lost its blocks (preemption): whatever a drafter kept is gone."""
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return dict(
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            num_verifications=self.num_verifications,
-            num_leaf_tokens=self.num_leaf_tokens,
-            accepted_by_position=tuple(self.accepted_by_position),
-        )
 
 
 class Speculation(NoSpeculation):
@@ -220,41 +126,12 @@ class Speculation(NoSpeculation):
                 jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q))
                 owners.append(i)
             row += span.num_logits
-        results = _by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
+        results = by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
         if proposal.trees:
-            self._sample_at_leaves(round, logits, jobs, owners, results, first_rows)
+            round.leaf_hits = sample_at_leaves(
+                self.sampler, proposal, logits, jobs, owners, results, first_rows
+            )
         return results
-
-    def _sample_at_leaves(
-        self,
-        round: Round,
-        logits: torch.Tensor,
-        jobs: list[SampleJob],
-        owners: list[int],
-        results: list[list[SampleResult]],
-        first_rows: dict[int, int],
-    ) -> None:
-        """Where a draft tree's chain emitted the token a leaf holds, one more token from the
-        leaf's row (engine.spec_decode.tree: the target's p after the emitted tokens)."""
-        follow, used = [], []
-        for job, i in zip(jobs, owners, strict=True):
-            tree = round.proposal.trees.get(i)
-            if tree is None:
-                continue
-            emitted = results[i][0].token_ids  # a sequence with drafts feeds one sample
-            leaf = tree.leaf_hit(round.proposal.drafts[i], emitted)
-            if leaf is not None:
-                round.leaf_hits[i] = leaf
-                used.append(i)
-                follow.append(job._replace(
-                    num_outputs=job.num_outputs + len(emitted),
-                    token_ids=[*job.token_ids, *emitted], row=first_rows[i] + leaf,
-                    drafts=(), draft_probs=None,
-                ))  # fmt: skip
-        for i, more in zip(used, self.sampler(logits, follow), strict=True):
-            first = results[i][0]
-            logprobs = None if first.logprobs is None else first.logprobs + (more.logprobs or [])
-            results[i][0] = SampleResult(first.token_ids + more.token_ids, logprobs)
 
     def commit(
         self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
@@ -300,10 +177,3 @@ def _draft_params(record: SampleState, config: SpeculativeConfig):
     if not config.sample_drafts and params.temperature:
         params = dataclasses.replace(params, temperature=0.0)
     return params
-
-
-def _by_owner(num: int, owners: list[int], results: list[SampleResult]) -> list[list[SampleResult]]:
-    grouped: list[list[SampleResult]] = [[] for _ in range(num)]
-    for i, result in zip(owners, results, strict=True):
-        grouped[i].append(result)
-    return grouped
