@@ -148,24 +148,27 @@ class LLMEngine:
         return round, self.spec.verify(round, output)
 
     def _commit(self, round: Round, results: list[list[SampleResult]]) -> list[RequestOutput]:
-        progressed: dict[str, Request] = {}
+        progressed: dict[str, tuple[Request, bool]] = {}
         for i, (s, samples) in enumerate(zip(round.scheduled, results, strict=True)):
             if s.seq.status is FINISHED:  # its request was aborted earlier in this loop
                 continue
             request = s.seq.owner.request
             try:
-                self._commit_sequence(round, i, s, samples or NO_RESULT)
+                finished = self._commit_sequence(round, i, s, samples or NO_RESULT)
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
-                progressed[request.request_id] = request
-            if s.samples and (request.params.output_kind is CUMULATIVE or request.finished):
-                progressed[request.request_id] = request
+                progressed[request.request_id] = request, True
+                continue
+            if s.samples and (finished or request.params.output_kind is CUMULATIVE):
+                progressed[request.request_id] = request, finished
         output = self.outputs.output
-        return [output(r) for r in progressed.values()]
+        return [output(request, finished) for request, finished in progressed.values()]
 
     def _commit_sequence(
         self, round: Round, i: int, s: ScheduledSequence, results: list[SampleResult]
-    ) -> None:
+    ) -> bool:
+        """Commit one scheduled sequence's results (forking it first for n samples); returns
+        whether its request is finished."""
         parent: SampleState = s.seq.owner
         request = parent.request
         records = [parent]
@@ -173,17 +176,20 @@ class LLMEngine:
             child = Sequence(next(self._seq_ids), s.seq.token_ids)
             self.scheduler.fork(s.seq, child)
             records.append(self.outputs.new_sample(request, child, index, parent))
+        scheduler, spec, append = self.scheduler, self.spec, self.outputs.append
         for record, result in zip(records, results, strict=True):
             emitted = result.token_ids
-            kept = self.outputs.append(record, emitted, result.logprobs)
+            kept = append(record, emitted, result.logprobs)
             num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
-            covered = self.spec.commit(round, i, record, len(emitted), kept)
+            covered = spec.commit(round, i, record, len(emitted), kept)
             cacheable = num_computed if covered is None else min(num_computed, covered)
-            self.scheduler.update(record.seq, num_computed, kept, cacheable)
+            scheduler.update(record.seq, num_computed, kept, cacheable)
             if record.finish_reason is not None:
-                self.scheduler.finish(record.seq)
-        if request.finished:
+                scheduler.finish(record.seq)
+        finished = request.finished if request.params.n > 1 else parent.finish_reason is not None
+        if finished:
             del self.requests[request.request_id]
+        return finished
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Re-run each request's part of the failed step on its own (committing nothing) and

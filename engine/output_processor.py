@@ -94,14 +94,15 @@ class OutputProcessor:
                 return
 
     @staticmethod
-    def output(request: Request) -> RequestOutput:
+    def output(request: Request, finished: bool | None = None) -> RequestOutput:
+        """The request's output now (``finished``: request.finished, when the caller knows)."""
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[_completion(request, s) for s in request.samples],
-            finished=request.finished,
-            error=request.error,
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            [_completion(request, s) for s in request.samples],
+            request.finished if finished is None else finished,
+            request.error,
         )
 
 
@@ -111,14 +112,14 @@ def _completion(request: Request, sample: SampleState) -> CompletionOutput:
     has seen must never shrink."""
     text = sample.text
     stops = request.params.stop_strings
-    if stops and not sample.finished:
+    if stops and sample.finish_reason is None:
         text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
     seq = sample.seq
     return CompletionOutput(
-        index=sample.index,
-        text=text,
-        token_ids=seq.token_ids[seq.num_prompt_tokens :],
-        finish_reason=sample.finish_reason,
-        logprobs=None if sample.logprobs is None else list(sample.logprobs),
-        stop_reason=sample.stop_reason,
+        sample.index,
+        text,
+        seq.token_ids[seq.num_prompt_tokens :],
+        sample.finish_reason,
+        None if sample.logprobs is None else list(sample.logprobs),
+        sample.stop_reason,
     )

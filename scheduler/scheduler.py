@@ -117,11 +117,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
-        scheduled_ids: set[int] = set()
         bm = self.block_manager
         running = RUNNING
+        decoding, prefilling = [], []
+        for seq in self.running:  # a decode has one token left to compute
+            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(
+                seq
+            )
 
-        for seq in [s for s in self.running if s.is_decoding]:
+        for seq in decoding:
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier in this loop
@@ -132,13 +136,12 @@ class Scheduler:
             if not self._reserve(seq, 1 + k, out):
                 continue  # seq itself was preempted
             out.scheduled.append(ScheduledSequence(seq, 1, k, tuple(bm.block_table(seq.seq_id))))
-            scheduled_ids.add(seq.seq_id)
             budget -= 1 + k
 
-        for seq in self.running:
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.seq_id in scheduled_ids or seq.is_decoding:
+            if seq.status is not running:  # preempted by a decode's reservation
                 continue
             n = min(seq.num_uncomputed_tokens, budget)  # blocks were allocated at admission
             out.scheduled.append(self._scheduled(seq, n))
