@@ -19,7 +19,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
 import engine.generate
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, RequestOutputKind, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -128,15 +128,81 @@ def test_interrupted_generate_aborts_its_requests(tiny_llama, monkeypatch, error
             llm.generate(prompts, params, use_tqdm=False)
         monkeypatch.setattr(engine, "step", step)
         assert_all_blocks_free(llm)
+        assert not engine.has_unfinished_requests()  # idle at once, not after a step
         assert engine.get_stats().num_running == engine.get_stats().num_waiting == 0
     # The first interruption's abort outputs are drained by the second call's steps; the
     # second's are still pending: a new call returns its own outputs only, unchanged.
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    while engine.has_unfinished_requests():
-        assert all(o.outputs[0].finish_reason == "abort" for o in engine.step())
+    assert all(o.outputs[0].finish_reason == "abort" for o in engine.step())
     assert_all_blocks_free(llm)
+
+
+def test_an_interrupt_inside_a_step_leaves_the_engine_idle_with_every_block_free(
+    tiny_llama, monkeypatch
+):
+    """Ctrl-C while the model runs (mid-step, after scheduling reserved slots)."""
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = token_ids(llm.generate([TEXT, "x"], params, use_tqdm=False))
+    forward, calls = engine.runner.forward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([TEXT, "x"], params, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+    assert token_ids(llm.generate([TEXT, "x"], params, use_tqdm=False)) == expected
+
+
+def test_an_abort_before_any_step_is_idle_at_once(tiny_llama):
+    engine = LLM(tiny_llama, num_kv_blocks=64).llm_engine
+    engine.add_request("a", TEXT, GREEDY)
+    assert engine.has_unfinished_requests()
+    assert engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().num_free_blocks == engine.block_manager.num_blocks
+    (out,) = engine.step()  # the abort's final output comes with the next step
+    assert out.request_id == "a" and out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.step() == []
+
+
+def test_a_shut_down_engine_refuses_work(tiny_llama):
+    engine = LLM(tiny_llama, num_kv_blocks=64).llm_engine
+    engine.add_request("a", TEXT, GREEDY)
+    engine.step()
+    engine.shutdown()
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("b", TEXT, GREEDY)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+
+
+def test_final_only_requests_report_once_cumulative_ones_every_step(tiny_llama):
+    engine = LLM(tiny_llama, num_kv_blocks=64).llm_engine
+    final = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                           output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine.add_request("final", TEXT, final)
+    engine.add_request("each", TEXT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    seen = {"final": [], "each": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["each"]) == 5 and [o.finished for o in seen["each"]] == [False] * 4 + [True]
+    (only,) = seen["final"]
+    assert only.finished and only.outputs[0].token_ids == seen["each"][-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="final")
 
 
 # --- chat ---------------------------------------------------------------------------------------
