@@ -1,21 +1,15 @@
 """The embedded engine loop: ``add_request`` / ``step``.
 
-One step, each job with one owner:
+A step: ``Scheduler.schedule`` picks sequences and reserves their KV slots (``spec.lookahead``
+draft slots each) → ``spec.prepare`` lays out the spans → ``ModelRunner.forward`` runs them in
+one packed batch → ``spec.verify`` samples (and verifies drafts) → per sample, the
+``OutputProcessor`` keeps tokens up to a stop, ``spec.commit`` records the round and
+``Scheduler.update`` commits them and rolls the block table back past rejected drafts.
+Everything about a sequence rides on its one record (``seq.owner``, a ``SampleState``).
 
-1. ``Scheduler.schedule`` picks sequences and token counts and reserves their KV slots (draft
-   slots per sequence from ``spec.lookahead``); each scheduled sequence carries its block table
-   and its record (``seq.owner``: request, params, drafter state).
-2. ``_execute`` computes without moving any sequence: ``spec.prepare`` lays out the spans (with
-   drafts, when speculating), the ``ModelRunner`` runs them in one packed forward, and
-   ``spec.verify`` samples and verifies.
-3. ``_commit`` moves them: the ``OutputProcessor`` keeps tokens up to a stop, ``spec.commit``
-   records the round, and ``Scheduler.update`` commits the tokens, advances
-   ``num_computed_tokens`` and rolls the block table back past rejected drafts; finished
-   samples are retired.
-
-If step 2 raises, no sequence has moved: the engine finds the request(s) that fail on their
-own, aborts them (their outputs carry the error) and the others run next step as if nothing
-happened.
+Nothing moves before the commit: if the forward or sampling raises, the engine finds the
+request(s) that fail on their own and aborts them (their outputs carry the error); the others
+run next step as if nothing happened.
 """
 
 from __future__ import annotations
@@ -42,7 +36,7 @@ NO_RESULT = [SampleResult([], None)]  # a prompt chunk that does not reach the e
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         parts: EngineParts = build_engine_parts(config)
-        self.config, self.tokenizer, self.model_config = config, parts.tokenizer, parts.model_config
+        self.config, self.tokenizer = config, parts.tokenizer
         self.processor, self.block_manager = parts.processor, parts.block_manager
         self.vocab_size = parts.processor.vocab_size
         self.max_model_len = parts.processor.max_model_len
@@ -52,21 +46,15 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count(1)
         self._closed = False
-        # Tensor-parallel workers stop when the engine is collected, shut down, or at exit.
-        self._tp = parts.tp
+        self._tp = parts.tp  # its workers stop when the engine is collected, shut down, or at exit
         if self._tp is not None:
             weakref.finalize(self, self._tp.shutdown)
 
-    # --- public API ---------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> None:
         self._check_open()
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        p = self.processor.process(prompt, params)
+        p = self.processor.process(prompt, params, request_id, self.requests)
         request = Request(request_id, p.prompt, p.prompt_token_ids, p.params)
         seq = Sequence(next(self._seq_ids), p.prompt_token_ids)
         seq.seats = p.params.n  # its forks take their seats when the prompt is done
@@ -77,15 +65,16 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Finish the request with "abort" now (its blocks are free when this returns); its
         final output comes with the next ``step``."""
-        request = self.requests.get(request_id) if isinstance(request_id, str) else None
-        if request is None:
+        if (
+            request := self.requests.get(request_id) if isinstance(request_id, str) else None
+        ) is None:
             return False
         self._aborted.append(self._abort(request))
         return True
 
     def shutdown(self) -> None:
-        """Abort every request and stop the tensor-parallel workers, if any (also done when the
-        engine is collected); the engine takes no request or step after this."""
+        """Abort every request, stop the tensor-parallel workers (also done when the engine is
+        collected); the engine takes no request or step after this."""
         for request in list(self.requests.values()):
             self._abort(request)
         self._closed = True
@@ -97,21 +86,11 @@ class LLMEngine:
         return bool(self.requests)
 
     def get_stats(self) -> EngineStats:
-        bm, sched = self.block_manager, self.scheduler
-        return EngineStats(
-            num_total_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks(),
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_preemptions=sched.num_preemptions,
-            num_prefix_cache_hit_tokens=sched.num_prefix_cache_hit_tokens,
-            num_prefix_cache_query_tokens=sched.num_prefix_cache_query_tokens,
-            **self.spec.stats(),
-        )
+        return EngineStats.of(self.block_manager, self.scheduler, self.spec.stats())
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that progressed (and aborts since the last).
-        A step that raises leaves the aborts' outputs to the next one."""
+        """One step: the requests that progressed, and the aborts since the last (kept for the
+        next step if this one raises)."""
         self._check_open()
         outputs, self._aborted = self._aborted, []
         try:
@@ -120,14 +99,12 @@ class LLMEngine:
             self._aborted = outputs + self._aborted
             raise
 
-    # --- the step -----------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         if not scheduler.has_unfinished():
             return []
-        sched = scheduler.schedule(
-            self.spec.lookahead(len(scheduler.running) + len(scheduler.waiting))
-        )
+        busy = len(scheduler.running) + len(scheduler.waiting)
+        sched = scheduler.schedule(self.spec.lookahead(busy))
         for seq in sched.preempted:
             self.spec.reset(seq.owner)
         if sched.is_empty:
@@ -167,21 +144,19 @@ class LLMEngine:
     def _commit_sequence(
         self, round: Round, i: int, s: ScheduledSequence, results: list[SampleResult]
     ) -> bool:
-        """Commit one scheduled sequence's results (forking it first for n samples); returns
-        whether its request is finished."""
+        """Commit a scheduled sequence's results (forked first for n samples); True: its
+        request finished."""
         parent: SampleState = s.seq.owner
         request = parent.request
         records = [parent]
         for index in range(1, len(results)):  # n > 1: the samples share the prompt's blocks
-            child = Sequence(next(self._seq_ids), s.seq.token_ids)
-            self.scheduler.fork(s.seq, child)
+            child = self.scheduler.fork(s.seq, next(self._seq_ids))
             records.append(self.outputs.new_sample(request, child, index, parent))
         scheduler, spec, append = self.scheduler, self.spec, self.outputs.append
         for record, result in zip(records, results, strict=True):
-            emitted = result.token_ids
-            kept = append(record, emitted, result.logprobs)
+            kept = append(record, result.token_ids, result.logprobs)
             num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
-            covered = spec.commit(round, i, record, len(emitted), kept)
+            covered = spec.commit(round, i, record, len(result.token_ids), kept)
             cacheable = num_computed if covered is None else min(num_computed, covered)
             scheduler.update(record.seq, num_computed, kept, cacheable)
             if record.finish_reason is not None:
@@ -209,21 +184,17 @@ class LLMEngine:
             raise error
         return outputs
 
-    # --- requests -----------------------------------------------------------------------------
     def _abort(self, request: Request, error: Exception | None = None) -> RequestOutput:
-        """Finish every sample not yet retired with "abort" and free its blocks (one that a
-        failed commit had just finished is not retired yet: it would hold its blocks forever)."""
+        """Finish every sample not yet retired with "abort" and free its blocks (even one a
+        failed commit had just finished: it would hold its blocks forever)."""
         if error is not None:
             request.error = f"{type(error).__name__}: {error}"
         for sample in request.samples:
             if sample.seq.status is not FINISHED:
                 sample.finish_reason = "abort"
                 self.scheduler.finish(sample.seq)
-        for index in range(len(request.samples), request.params.n):  # forks never made
-            seq = Sequence(next(self._seq_ids), request.prompt_token_ids)
-            self.outputs.new_sample(request, seq, index).finish_reason = "abort"
         self.requests.pop(request.request_id, None)
-        return self.outputs.output(request)
+        return self.outputs.aborted(request)
 
     def _check_open(self) -> None:
         if self._closed:

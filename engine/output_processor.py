@@ -93,6 +93,14 @@ class OutputProcessor:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 return
 
+    def aborted(self, request: Request) -> RequestOutput:
+        """The output of a request just aborted: a sample whose fork was never made (its
+        prompt had not finished) is there too, empty, with "abort"."""
+        for index in range(len(request.samples), request.params.n):
+            seq = Sequence(-1, request.prompt_token_ids)  # never scheduled
+            self.new_sample(request, seq, index).finish_reason = "abort"
+        return self.output(request, True)
+
     @staticmethod
     def output(request: Request, finished: bool | None = None) -> RequestOutput:
         """The request's output now (``finished``: request.finished, when the caller knows)."""

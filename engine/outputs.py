@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memory import BlockManager
+    from scheduler import Scheduler
 
 
 @dataclass
@@ -43,6 +48,22 @@ class EngineStats:
     accepted_by_position: tuple[int, ...] = field(default=())  # accepted count at draft position i
     num_prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_leaf_tokens: int = 0  # accepted tokens that were draft-tree leaves (in num_accepted)
+
+    @classmethod
+    def of(
+        cls, block_manager: BlockManager, scheduler: Scheduler, speculation: dict[str, Any]
+    ) -> EngineStats:
+        """The engine's parts' counters now (``speculation``: its round's ``stats()``)."""
+        return cls(
+            num_total_blocks=block_manager.num_blocks,
+            num_free_blocks=block_manager.num_free_blocks(),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_preemptions=scheduler.num_preemptions,
+            num_prefix_cache_hit_tokens=scheduler.num_prefix_cache_hit_tokens,
+            num_prefix_cache_query_tokens=scheduler.num_prefix_cache_query_tokens,
+            **speculation,
+        )
 
     @property
     def acceptance_rate(self) -> float:

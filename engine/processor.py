@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,18 @@ class Processor:
     block_size: int
     num_lookahead_slots: int  # slots a decode may reserve for drafts
 
-    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedRequest:
+    def process(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        request_id: str = "",
+        in_use: Container[str] = (),
+    ) -> ProcessedRequest:
+        """Validate a request: its id (a str not ``in_use``), prompt and params."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in in_use:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -60,10 +60,6 @@ class StepSampler:
         """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
         if not jobs:
             return []
-        if _plain_greedy(jobs):
-            # the common decode step, one pass: each job's one row, in order, its argmax
-            ids = argmax_rows(logits[: len(jobs)]).tolist()
-            return [SampleResult([token], None) for token in ids]
         raw = _gather_rows(logits, jobs)
         rows = self._mask_min_tokens(raw, jobs)
         starts = _starts(jobs)
@@ -77,9 +73,7 @@ class StepSampler:
                 if not group:
                     continue
                 picked = [jobs[i] for i in group]
-                index = torch.cat([torch.arange(starts[i], starts[i] + jobs[i].num_rows)
-                                   for i in group])  # fmt: skip
-                sub = rows[index.to(rows.device)]
+                sub = _rows_of(rows, jobs, starts, group)
                 for i, emitted in zip(group, verify(sub, picked, _starts(picked)), strict=True):
                     tokens[i] = emitted
         # logprobs are of the raw rows: before min_tokens masking, penalties and temperature
@@ -145,9 +139,7 @@ class StepSampler:
         tokens: list[list[int]] = [[] for _ in jobs]
         for group in groups + ([unseeded] if unseeded else []):
             picked = [jobs[i] for i in group]
-            index = torch.cat([torch.arange(starts[i], starts[i] + jobs[i].num_rows)
-                               for i in group])  # fmt: skip
-            sub = rows[index.to(rows.device)]
+            sub = _rows_of(rows, jobs, starts, group)
             for i, emitted in zip(group, self._verify_group(sub, picked), strict=True):
                 tokens[i] = emitted
         return tokens
@@ -200,23 +192,17 @@ class StepSampler:
         return rows if masked is None else masked
 
 
-def _plain_greedy(jobs: list[SampleJob]) -> bool:
-    """Every job greedy, one row each in order (no drafts, forks or gaps), with nothing that
-    changes the argmax or asks for more (penalties, min_tokens, logprobs)."""
-    for row, job in enumerate(jobs):
-        p = job.params
-        if (
-            job.row != row
-            or job.drafts
-            or p.temperature
-            or p.logprobs is not None
-            or p.min_tokens > job.num_outputs
-            or p.presence_penalty
-            or p.frequency_penalty
-            or p.repetition_penalty != 1.0
-        ):
-            return False
-    return True
+def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
+    """A greedy row with nothing that changes its argmax or asks for more (penalties,
+    min_tokens not yet reached, logprobs): its token is the row's argmax, and only that."""
+    return not (
+        params.temperature
+        or params.logprobs is not None
+        or params.min_tokens > num_outputs
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+    )
 
 
 def _starts(jobs: list[SampleJob]) -> list[int]:
@@ -225,6 +211,14 @@ def _starts(jobs: list[SampleJob]) -> list[int]:
         starts.append(start)
         start += job.num_rows
     return starts
+
+
+def _rows_of(
+    rows: torch.Tensor, jobs: list[SampleJob], starts: list[int], group: list[int]
+) -> torch.Tensor:
+    """The rows of the jobs in ``group``, back to back."""
+    index = [r for i in group for r in range(starts[i], starts[i] + jobs[i].num_rows)]
+    return rows[torch.tensor(index, device=rows.device)]
 
 
 def _gather_rows(logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:

@@ -191,14 +191,17 @@ class Scheduler:
             bm.truncate(seq.seq_id, num_computed)
         bm.commit(seq.seq_id, seq.token_ids, min(num_computed, num_cacheable))
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` (a copy of ``parent``'s tokens) shares its blocks, copy-on-write, and
-        takes one of the seats ``parent`` held for its forks (n forks later it holds 1)."""
+    def fork(self, parent: Sequence, child_id: int) -> Sequence:
+        """A copy of ``parent`` (its tokens, computed prefix and record-to-be) that shares its
+        blocks, copy-on-write, and takes one of the seats ``parent`` held for its forks (n forks
+        later it holds 1)."""
+        child = Sequence(child_id, parent.token_ids)
         parent.seats -= 1
         child.num_computed_tokens = parent.num_computed_tokens
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent.seq_id, child_id)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        return child
 
     # --- internals ----------------------------------------------------------------------------
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:

@@ -10,8 +10,9 @@ import torch
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampling_params import SamplingParams
 from engine.spans import Span
+from engine.spec_decode.chain import chain_drafts
 from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.proposers import Proposal, chain_drafts
+from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.speculation import Speculation
 from engine.spec_decode.tree import DraftTree, tree_slots
 

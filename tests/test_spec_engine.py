@@ -15,8 +15,9 @@ from engine.config import METHOD_DEFAULTS
 from engine.penalties import TokenHistory
 from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.chain import chain_drafts, draw_drafts
 from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.proposers import NgramProposer, Proposal, chain_drafts, draw_drafts
+from engine.spec_decode.proposers import NgramProposer, Proposal
 
 PROMPTS = [
     "one two three four five one two three four five one two three",

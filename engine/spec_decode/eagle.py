@@ -33,6 +33,7 @@ from engine.models.layers import Linear
 from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
 from engine.spans import Span
+from engine.spec_decode.chain import chain_drafts, draw_drafts
 from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.eagle_format import (
     feature_layers,
@@ -40,7 +41,7 @@ from engine.spec_decode.eagle_format import (
     layer_model_config,
     load_head,
 )
-from engine.spec_decode.proposers import Proposal, TargetStep, chain_drafts, draw_drafts
+from engine.spec_decode.proposers import Proposal, TargetStep
 from kernels import cpu_extension
 from scheduler import ScheduledSequence
 

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from engine.request import SampleState
+from engine.sampler import argmax_rows
 from engine.spans import Span
 from engine.spec_decode.proposers import Proposal
-from engine.step_sampler import SampleJob, SampleResult, StepSampler
+from engine.step_sampler import SampleJob, SampleResult, StepSampler, plain_greedy
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
 NO_PROPOSAL = Proposal([], [], {})
@@ -73,6 +74,13 @@ class NoSpeculation:
 
     def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
         """Per scheduled sequence, one result per sample it feeds (n when a prompt forks)."""
+        if all(
+            span.num_logits == 1 and s.seq.num_output_tokens
+            and plain_greedy(s.seq.owner.request.params, s.seq.num_output_tokens)
+            for s, span in zip(round.scheduled, round.spans, strict=True)
+        ):  # fmt: skip
+            # every sequence decodes one greedy token: one pass, no jobs
+            return [[SampleResult([token], None)] for token in argmax_rows(output).tolist()]
         jobs, owners = [], []
         row = 0
         for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):

@@ -111,6 +111,8 @@ class Speculation(NoSpeculation):
             features = self.proposer.target_features(hidden)
             round.features = list(features.split([len(s.token_ids) for s in round.spans]))
         proposal = round.proposal
+        if not any(proposal.drafts):  # nothing to verify this step: plain sampling
+            return super().verify(round, logits)
         jobs, owners, first_rows = [], [], {}
         row = 0
         for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
