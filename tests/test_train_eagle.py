@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.spec_decode import eagle_format
+from engine.spec_decode.round import NoSpeculation
 from engine.spec_decode.train_eagle import cli, data, features, losses, magpie, prompts
 from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
 from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
@@ -300,7 +301,7 @@ def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
     for got, want in zip(feats, _prefilled(tiny_llama, convs, ()), strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=2e-3)
-    assert llm.llm_engine.spec.proposer is None  # the engine's own manager is back
+    assert type(llm.llm_engine.spec) is NoSpeculation  # the engine's own round is back
     with pytest.raises(ValueError, match="without prefix caching"):
         generate_with_features(LLM(tiny_llama, num_kv_blocks=16), prompts, params, ())
 

@@ -11,38 +11,46 @@ but never fed, and no trained position reads its features (``data.write_features
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import torch
 
+from engine.request import SampleState
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.manager import SpeculationManager
-from engine.spec_decode.proposers import Proposal, TargetStep
+from engine.spec_decode.round import NoSpeculation, Round
+from engine.step_sampler import SampleResult, StepSampler
+from scheduler import SchedulerOutput
 
 
-class FeatureRecorder:
-    """A proposer that never drafts and keeps, per sequence, the target's features of the
+class FeatureCapture(NoSpeculation):
+    """A round that never drafts and keeps, per sequence, the target's features of the
     positions each step computed (``ModelRunner.forward``'s ``hidden_layers`` hidden states,
     then the final ones), as bfloat16 (what stage 2 stores). A preempted sequence recomputes
     its positions and the later rows win (``features``)."""
 
-    runs_every_span = False
-    needs_target_hidden = True
-
-    def __init__(self, layers: tuple[int, ...]) -> None:
-        self.hidden_layers = layers
+    def __init__(self, sampler: StepSampler, layers: tuple[int, ...]) -> None:
+        super().__init__(sampler)
+        self.layers = layers
         self._rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id → (first pos, rows)
 
-    def propose(self, scheduled, ks, params) -> Proposal:
-        raise AssertionError("a FeatureRecorder is never asked to draft (no config, k = 0)")
+    def prepare(self, sched: SchedulerOutput) -> Round:
+        round = super().prepare(sched)
+        round.forward_options = {"return_hidden": True, "hidden_layers": self.layers}
+        return round
+
+    def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
+        logits, hidden = output
+        sizes = [len(span.token_ids) for span in round.spans]
+        round.features = list(hidden.to(torch.bfloat16).split(sizes))  # once per step
+        return super().verify(round, logits)
 
     def commit(
-        self, seq_id: int, written: object, new_token_ids: list[int], target: TargetStep
+        self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
     ) -> None:
-        rows = target.hidden[: target.num_computed - target.first_position]
-        self._rows.setdefault(seq_id, []).append((target.first_position, rows))
-
-    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.to(torch.bfloat16)  # once per step; commit() keeps each sequence's rows
+        s = round.scheduled[i]
+        num_computed = s.end + max(len(kept) - 1, 0)
+        rows = round.features[i][: num_computed - s.start]
+        self._rows.setdefault(record.seq.seq_id, []).append((s.start, rows))
 
     def features(self, seq_id: int, length: int) -> torch.Tensor | None:
         """The features of positions 0 .. length - 1 of ``seq_id`` (forgotten here), None if
@@ -58,21 +66,12 @@ class FeatureRecorder:
             covered[first : first + n] = True
         return out if bool(covered.all()) else None
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        pass  # no KV of its own
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        raise ValueError("feature capture answers with n = 1")
-
-    def release(self, seq_id: int) -> None:
-        pass  # kept until features(): a preempted sequence's rows are recomputed, not lost
-
 
 def generate_with_features(
     llm, prompts: list[list[int]], params: list[SamplingParams], layers: tuple[int, ...]
 ) -> tuple[list, list[torch.Tensor | None]]:
     """``llm`` (an ``engine.LLM``) answers the token-id ``prompts``; returns its outputs, in
-    order, and each conversation's features (``FeatureRecorder.features`` of prompt + answer
+    order, and each conversation's features (``FeatureCapture.features`` of prompt + answer
     but its last token). The engine must not use its prefix cache (a cached position is never
     computed) and runs no speculation while this runs."""
     engine = llm.llm_engine
@@ -82,8 +81,8 @@ def generate_with_features(
         raise ValueError("feature capture needs an engine with no request in flight")
     if any(p.n != 1 for p in params):
         raise ValueError("feature capture answers with n = 1")
-    recorder, run = FeatureRecorder(layers), uuid.uuid4().hex  # run: no earlier call's ids
-    saved, engine.spec = engine.spec, SpeculationManager(None, recorder, engine.max_model_len)
+    recorder, run = FeatureCapture(engine.step_sampler, layers), uuid.uuid4().hex  # run: new ids
+    saved, engine.spec = engine.spec, recorder
     seq_ids, finished = {}, {}  # request id → its sequence's, in prompt order
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
