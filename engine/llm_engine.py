@@ -127,11 +127,22 @@ class LLMEngine:
     def _commit(self, round: Round, results: list[list[SampleResult]]) -> list[RequestOutput]:
         progressed: dict[str, tuple[Request, bool]] = {}
         for i, (s, samples) in enumerate(zip(round.scheduled, results, strict=True)):
-            if s.seq.status is FINISHED:  # its request was aborted earlier in this loop
+            seq = s.seq
+            if seq.status is FINISHED:  # its request was aborted earlier in this loop
                 continue
-            request = s.seq.owner.request
+            record: SampleState = seq.owner
+            request = record.request
             try:
-                finished = self._commit_sequence(round, i, s, samples or NO_RESULT)
+                if len(samples) == 1:  # the common case: one sample, committing on its own
+                    self._commit_sample(round, i, record, samples[0])
+                else:  # a prompt chunk (no result), or a prompt forking into n samples
+                    self._fork_and_commit(round, i, record, samples or NO_RESULT)
+                if request.params.n == 1:
+                    finished = record.finish_reason is not None
+                else:
+                    finished = request.finished
+                if finished:
+                    del self.requests[request.request_id]
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
                 progressed[request.request_id] = request, True
@@ -141,30 +152,28 @@ class LLMEngine:
         output = self.outputs.output
         return [output(request, finished) for request, finished in progressed.values()]
 
-    def _commit_sequence(
-        self, round: Round, i: int, s: ScheduledSequence, results: list[SampleResult]
-    ) -> bool:
-        """Commit a scheduled sequence's results (forked first for n samples); True: its
-        request finished."""
-        parent: SampleState = s.seq.owner
-        request = parent.request
+    def _commit_sample(
+        self, round: Round, i: int, record: SampleState, result: SampleResult
+    ) -> None:
+        """``record`` (``round.scheduled[i]``'s sample, or a fork of it) takes its tokens."""
+        kept = self.outputs.append(record, result.token_ids, result.logprobs)
+        num_computed = round.scheduled[i].end + max(len(kept) - 1, 0)  # accepted drafts' KV
+        covered = self.spec.commit(round, i, record, len(result.token_ids), kept)
+        cacheable = num_computed if covered is None else min(num_computed, covered)
+        self.scheduler.update(record.seq, num_computed, kept, cacheable)
+        if record.finish_reason is not None:
+            self.scheduler.finish(record.seq)
+
+    def _fork_and_commit(
+        self, round: Round, i: int, parent: SampleState, results: list[SampleResult]
+    ) -> None:
+        """A finished prompt's n samples share its blocks: fork, then commit each."""
         records = [parent]
-        for index in range(1, len(results)):  # n > 1: the samples share the prompt's blocks
-            child = self.scheduler.fork(s.seq, next(self._seq_ids))
-            records.append(self.outputs.new_sample(request, child, index, parent))
-        scheduler, spec, append = self.scheduler, self.spec, self.outputs.append
+        for index in range(1, len(results)):
+            child = self.scheduler.fork(parent.seq, next(self._seq_ids))
+            records.append(self.outputs.new_sample(parent.request, child, index, parent))
         for record, result in zip(records, results, strict=True):
-            kept = append(record, result.token_ids, result.logprobs)
-            num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV is written
-            covered = spec.commit(round, i, record, len(result.token_ids), kept)
-            cacheable = num_computed if covered is None else min(num_computed, covered)
-            scheduler.update(record.seq, num_computed, kept, cacheable)
-            if record.finish_reason is not None:
-                scheduler.finish(record.seq)
-        finished = request.finished if request.params.n > 1 else parent.finish_reason is not None
-        if finished:
-            del self.requests[request.request_id]
-        return finished
+            self._commit_sample(round, i, record, result)
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Re-run each request's part of the failed step on its own (committing nothing) and

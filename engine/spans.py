@@ -54,10 +54,11 @@ class PackedSpans(NamedTuple):
 
 def pack_spans(spans: Sequence[Span], block_size: int) -> PackedSpans:
     n = len(spans)
-    lens = np.fromiter((len(s.token_ids) for s in spans), np.int64, n)
-    starts = np.fromiter((s.start for s in spans), np.int64, n)
-    num_logits = np.fromiter((s.num_logits for s in spans), np.int64, n)
-    widths = np.fromiter((len(s.block_table) for s in spans), np.int64, n)
+    token_ids, starts, num_logits, block_tables, parents = zip(*spans, strict=True)
+    lens = np.fromiter(map(len, token_ids), np.int64, n)
+    starts = np.array(starts, np.int64)
+    num_logits = np.array(num_logits, np.int64)
+    widths = np.fromiter(map(len, block_tables), np.int64, n)
     ends = starts + lens
     past = np.flatnonzero(ends > widths * block_size)
     if past.size:
@@ -70,10 +71,12 @@ def pack_spans(spans: Sequence[Span], block_size: int) -> PackedSpans:
     offsets = np.arange(total) - cu[rows]  # each token's index in its span
     linear = starts[rows] + offsets  # its slot's position (a tree token's too)
     tables = np.zeros((n, int(widths.max(initial=0))), np.int32)
-    flat = itertools.chain.from_iterable(s.block_table for s in spans)
-    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(flat, np.int32)
+    flat = itertools.chain.from_iterable(block_tables)
+    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+        flat, np.int32, int(widths.sum())
+    )
     positions, tree_mask = linear, None
-    if any(s.parents is not None for s in spans):
+    if parents.count(None) != n:
         positions, tree_mask = linear.copy(), np.full(total, -1, np.int64)  # -1: causal
         for i, s in enumerate(spans):
             if s.parents is None:
@@ -87,9 +90,7 @@ def pack_spans(spans: Sequence[Span], block_size: int) -> PackedSpans:
             tree_mask[at] = tree_mask_of(s.parents)
     wanted = offsets >= (lens - num_logits)[rows]
     return PackedSpans(
-        input_ids=np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in spans), np.int64, total
-        ),
+        input_ids=np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, total),
         positions=positions,
         slots=slot_mapping(tables, rows, linear, block_size),
         logit_rows=None if wanted.all() else np.flatnonzero(wanted),

@@ -151,6 +151,16 @@ class BlockManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_new_tokens == 0:
             return None
+        return self._grow(seq_id, seq, num_new_tokens)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> tuple[int, int] | None:
+        """``append`` as many slots as the table lacks to cover ``num_tokens`` (none if it
+        covers them already: it never shrinks)."""
+        seq = self._seq(seq_id)
+        extra = num_tokens - seq.num_tokens
+        return self._grow(seq_id, seq, extra) if extra > 0 else None
+
+    def _grow(self, seq_id: int, seq: _Seq, num_new_tokens: int) -> tuple[int, int] | None:
         pool = self._pool
         size = self.block_size
         table = seq.table

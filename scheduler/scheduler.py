@@ -210,11 +210,9 @@ class Scheduler:
         Preempts the youngest running sequences until it fits; returns False if ``seq`` itself
         had to go.
         """
-        bm = self.block_manager
-        extra = seq.num_computed_tokens + num_tokens - bm.num_tokens(seq.seq_id)
-        while extra > 0:
+        while True:
             try:
-                cow = bm.append(seq.seq_id, extra)
+                cow = self.block_manager.reserve(seq.seq_id, seq.num_computed_tokens + num_tokens)
             except NoFreeBlocksError:  # nothing changed: make room and try again
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -223,8 +221,7 @@ class Scheduler:
                 continue
             if cow is not None:
                 out.blocks_to_copy.append(cow)
-            break
-        return True
+            return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, go to the front of the queue."""

@@ -184,6 +184,23 @@ def test_append_allocates_only_at_block_boundaries(rng):
     check_refs(bm, [0])
 
 
+def test_reserve_grows_to_cover_and_never_shrinks(rng):
+    bm = BlockManager(8, B)
+    bm.allocate(0, tokens(rng, B + 3))
+    assert bm.reserve(0, B) is None and bm.num_tokens(0) == B + 3  # covered: unchanged
+    assert bm.reserve(0, 3 * B) is None
+    assert bm.num_tokens(0) == 3 * B and len(bm.block_table(0)) == 3
+    before = snapshot(bm, [0])
+    with pytest.raises(NoFreeBlocksError):
+        bm.reserve(0, 9 * B)  # 6 more blocks, 5 free
+    assert snapshot(bm, [0]) == before
+    bm.truncate(0, B + 1)
+    bm.fork(0, 1)  # the last block is shared and partly filled: copy-on-write, as append
+    src = bm.block_table(1)[-1]
+    assert bm.reserve(1, B + 2) == (src, bm.block_table(1)[-1]) != (src, src)
+    check_refs(bm, [0, 1])
+
+
 def test_append_bad_count_and_exhaustion_change_nothing(rng):
     bm = BlockManager(3, B)
     bm.allocate(0, tokens(rng, 2 * B + 1))  # 3 blocks, 3 free slots in the last
