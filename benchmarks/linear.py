@@ -26,7 +26,7 @@ from benchmarks.workload import parse_int_list, resolve_model
 # The layer under test is engine internals by nature: this benchmark measures it alone.
 from engine.model_loader import default_dtype
 from engine.models import get_model_class
-from engine.models.layers import Linear
+from engine.models.linear import Linear
 
 # The library int8 kernels are measured up to this many rows: torch's _weight_int8pack_mm with
 # float32 activations takes ~10 s a pass at 128 rows, which would make the run last an hour.

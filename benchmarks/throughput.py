@@ -34,7 +34,7 @@ from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, mak
 
 # The quantised kernels' own rate bounds their runs (device_rates): engine internals by nature.
 from engine.model_loader import linear_formats
-from engine.models.layers import Linear
+from engine.models.linear import Linear
 
 HF_PEERS = ("hf-static", "hf-batch")
 PEERS = (*HF_PEERS, "llamacpp")

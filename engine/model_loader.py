@@ -31,7 +31,8 @@ from engine.gguf_loader import iter_gguf, read_gguf
 from engine.models import get_model_class
 from engine.models.hf_config import read_model_config
 from engine.models.huge_pages import ALIGN, WeightArena, aligned
-from engine.models.layers import Linear, RMSNorm, packs_in_place
+from engine.models.layers import RMSNorm
+from engine.models.linear import Linear, packs_in_place
 from engine.models.llama import STACKED, head_dim_of
 from kernels import cpu_extension
 

@@ -41,7 +41,7 @@ from benchmarks.workload import (
     parse_range,
 )
 from engine import EngineStats
-from engine.models.layers import Linear
+from engine.models.linear import Linear
 from engine.models.quant import quantized_weight
 from engine.spec_decode.eagle_format import load_head, save_head
 

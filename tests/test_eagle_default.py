@@ -5,7 +5,7 @@ hits, n > 1 and stop strings; and it drafts well enough to be accepted."""
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.models.layers import Linear
+from engine.models.linear import Linear
 from engine.models.quant import quantized_weight
 
 PROMPTS = [

@@ -14,7 +14,7 @@ from test_models import COMMON, SCHEDULE, run_schedule, save_tiny
 from transformers import LlamaConfig
 
 from engine.models import huge_pages
-from engine.models.layers import packed_weight
+from engine.models.linear import packed_weight
 from engine.models.quant import quantized_weight
 from kernels import cpu_extension
 

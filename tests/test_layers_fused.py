@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models import layers
+from engine.models import layers, linear
 from kernels import cpu_extension
 
 
@@ -21,10 +21,10 @@ def close(got: torch.Tensor, exact: torch.Tensor, tol: float = 2e-6) -> bool:
 
 def test_fused_ops_are_used_on_cpu_float32():
     x = torch.randn(2, 8)
-    assert layers._fused_cpu(x)
-    assert not layers._fused_cpu(x.double())
-    assert not layers._fused_cpu(x.bfloat16())
-    assert not layers._fused_cpu(x.requires_grad_())
+    assert linear.fused_cpu(x)
+    assert not linear.fused_cpu(x.double())
+    assert not linear.fused_cpu(x.bfloat16())
+    assert not linear.fused_cpu(x.requires_grad_())
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 3, 24)])
@@ -137,7 +137,7 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
     fused_calls = []
     fused = ext.linear_silu_mul
     monkeypatch.setattr(ext, "linear_silu_mul", lambda *a: fused_calls.append(1) or fused(*a))
-    proj = layers.Linear(24, 2 * inter, bias=bias).requires_grad_(False)
+    proj = linear.Linear(24, 2 * inter, bias=bias).requires_grad_(False)
     proj.weight.data = torch.randn(2 * inter, 24, generator=gen)
     if bias:
         proj.bias.data = torch.randn(2 * inter, generator=gen)
@@ -161,7 +161,7 @@ def test_swiglu_of_packed_projection_equals_projection_then_silu_and_mul(
 def test_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
     """The fused gate_up GEMM's rows: one tile of all rows up to 8 (fewer panels per tile), or
     tiles of 6 or 2 and their parts; a row's bits are the same in each."""
-    proj = layers.Linear(40, 2 * 48, bias=False).requires_grad_(False)
+    proj = linear.Linear(40, 2 * 48, bias=False).requires_grad_(False)
     proj.weight.data = torch.randn(2 * 48, 40, generator=gen)
     proj.prepack()
     x = torch.randn(300, 40, generator=gen)

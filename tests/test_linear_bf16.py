@@ -16,8 +16,8 @@ from conftest import build_random_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.models import layers
-from engine.models.layers import Embedding, Linear
+from engine.models import layers, linear
+from engine.models.linear import Embedding, Linear
 from kernels import cpu_extension
 
 pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="C++ extension not built")
@@ -128,7 +128,7 @@ def test_bf16_pack_in_place_and_unpacked_round_trip(gen):
         assert (packed.data_ptr() == w.data_ptr()) == in_place
         assert packed.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2)
         assert torch.equal(packed, ext.pack_linear_weight_bf16(copy))
-        assert torch.equal(layers.unpacked(packed, (n, k)), copy)
+        assert torch.equal(linear.unpacked(packed, (n, k)), copy)
 
 
 @pytest.mark.parametrize(

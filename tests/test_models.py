@@ -15,7 +15,7 @@ from transformers import (
 
 from engine.model_loader import load_model, model_kv_shape
 from engine.models import LlamaForCausalLM, get_model_class
-from engine.models.layers import Embedding, Linear
+from engine.models.linear import Embedding, Linear
 from kernels import cpu_extension
 
 VOCAB = 256

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.default_model import default_model_dir
 from engine.gguf_loader import iter_gguf
 from engine.model_loader import load_model
-from engine.models import layers
+from engine.models import layers, linear
 from engine.models.quant import dequantize_q8_0, quantize_q8_0, quantized_weight
 from kernels import cpu_extension
 
@@ -177,7 +177,7 @@ def test_swiglu_of_int8_projection_matches_float64(rows, gen, monkeypatch):
     fused = ext.linear_silu_mul_q8
     monkeypatch.setattr(ext, "linear_silu_mul_q8", lambda *a: calls.append(1) or fused(*a))
     inter, k = 48, 64
-    proj = layers.Linear(k, 2 * inter, bias=False).requires_grad_(False)
+    proj = linear.Linear(k, 2 * inter, bias=False).requires_grad_(False)
     proj.weight.data = weight(2 * inter, k, gen)
     qs, ds = quantize_q8_0(proj.weight)
     proj.quantize()
@@ -192,7 +192,7 @@ def test_swiglu_of_int8_projection_matches_float64(rows, gen, monkeypatch):
 def test_int8_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
     """The fused int8 gate_up GEMM's rows: one tile of all rows where the registers hold one
     (fewer panels per tile), or tiles of 3 or 1; a row's bits are the same in each."""
-    proj = layers.Linear(64, 2 * 48, bias=False).requires_grad_(False)
+    proj = linear.Linear(64, 2 * 48, bias=False).requires_grad_(False)
     proj.weight.data = weight(2 * 48, 64, gen)
     proj.quantize()
     x = torch.randn(300, 64, generator=gen)
@@ -202,7 +202,7 @@ def test_int8_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
 
 
 def test_int8_linear_keeps_one_copy_and_unpacks_dequantised(gen):
-    lin = layers.Linear(64, 40).requires_grad_(False)
+    lin = linear.Linear(64, 40).requires_grad_(False)
     lin.weight.data = weight(40, 64, gen)
     qs, ds = quantize_q8_0(lin.weight)
     lin.quantize()
@@ -217,8 +217,8 @@ def test_int8_linear_keeps_one_copy_and_unpacks_dequantised(gen):
 
 
 def test_tied_embedding_reads_the_int8_head(gen):
-    emb = layers.Embedding(50, 64)
-    head = layers.Linear(64, 50, bias=False)
+    emb = linear.Embedding(50, 64)
+    head = linear.Linear(64, 50, bias=False)
     head.weight = emb.weight
     emb.requires_grad_(False)
     emb.weight.data = weight(50, 64, gen)
@@ -259,7 +259,7 @@ def test_q8_0_gguf_runs_its_shipped_numbers(tmp_path):
     ours = test_model_loader.load_cpu(path, quantization="int8")
     shipped = dict(iter_gguf(gguf.GGUFReader(path), ours.config))
     state = ours.model.state_dict()  # int8 weights come back dequantised
-    linears = [m for m in ours.model.modules() if isinstance(m, layers.Linear)]
+    linears = [m for m in ours.model.modules() if isinstance(m, linear.Linear)]
     assert linears and all(quantized_weight(m.weight).format == "q8_0" for m in linears)
     for name, value in shipped.items():  # the tied LM head is embed_tokens.weight
         fused, part = ours.model._param_name(name)

@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.default_model import default_gguf_path, default_model_dir
 from engine.gguf_loader import gguf_to_hf_name, unpermute_qk
 from engine.model_loader import load_model
-from engine.models import layers
+from engine.models import layers, linear
 from engine.models.quant import quantize_q8_0, quantized_weight
 from engine.models.quant_q4 import dequantize_q4_1, quantize_q4_1
 from kernels import cpu_extension
@@ -166,7 +166,7 @@ def test_swiglu_of_q4_projection_matches_float64(rows, gen, monkeypatch):
     fused = ext.linear_silu_mul_q4
     monkeypatch.setattr(ext, "linear_silu_mul_q4", lambda *a: calls.append(1) or fused(*a))
     inter, k = 48, 64
-    proj = layers.Linear(k, 2 * inter, bias=False).requires_grad_(False)
+    proj = linear.Linear(k, 2 * inter, bias=False).requires_grad_(False)
     proj.weight.data = weight(2 * inter, k, gen)
     qs, ds, ms = quantize_q4_1(proj.weight)
     proj.quantize("q4_1")
@@ -180,7 +180,7 @@ def test_swiglu_of_q4_projection_matches_float64(rows, gen, monkeypatch):
 
 def test_q4_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
     """As for int8: one tile of all rows where the registers hold one, else row tiles."""
-    proj = layers.Linear(64, 2 * 48, bias=False).requires_grad_(False)
+    proj = linear.Linear(64, 2 * 48, bias=False).requires_grad_(False)
     proj.weight.data = weight(2 * 48, 64, gen)
     proj.quantize("q4_1")
     x = torch.randn(300, 64, generator=gen)
@@ -190,7 +190,7 @@ def test_q4_swiglu_row_does_not_depend_on_how_many_rows_share_the_call(gen):
 
 
 def test_q4_linear_keeps_one_copy_and_unpacks_dequantised(gen):
-    lin = layers.Linear(100, 40).requires_grad_(False)  # K: three blocks and a partial one
+    lin = linear.Linear(100, 40).requires_grad_(False)  # K: three blocks and a partial one
     lin.weight.data = weight(40, 100, gen)
     qs, ds, ms = quantize_q4_1(lin.weight)
     lin.quantize("q4_1")
@@ -206,8 +206,8 @@ def test_q4_linear_keeps_one_copy_and_unpacks_dequantised(gen):
 
 
 def test_tied_embedding_reads_the_q4_head(gen):
-    emb = layers.Embedding(50, 100)
-    head = layers.Linear(100, 50, bias=False)
+    emb = linear.Embedding(50, 100)
+    head = linear.Linear(100, 50, bias=False)
     head.weight = emb.weight
     emb.requires_grad_(False)
     emb.weight.data = weight(50, 100, gen)
@@ -255,7 +255,7 @@ def test_q4_1_default_model_runs_q4_1_with_a_q8_0_head():
     formats = {
         name: quantized_weight(m.weight).format
         for name, m in model.named_modules()
-        if isinstance(m, layers.Linear)
+        if isinstance(m, linear.Linear)
     }
     assert formats.pop("lm_head") == "q8_0"
     assert len(formats) == 30 * 4 and set(formats.values()) == {"q4_1"}  # qkv, o, gate_up, down

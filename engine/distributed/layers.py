@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.distributed.comm import collective
 from engine.distributed.shard import TPShard
-from engine.models.layers import Embedding, Linear
+from engine.models.linear import Embedding, Linear
 
 
 class RowParallelLinear(Linear):

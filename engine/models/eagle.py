@@ -14,7 +14,8 @@ from torch import nn
 import kernels
 from engine.models.attention import AttentionMetadata
 from engine.models.layer_stack import LayerStack
-from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.layers import RotaryEmbedding
+from engine.models.linear import Linear
 from engine.models.llama import LlamaDecoderLayer, head_dim_of
 
 # Steps of up to this many tokens run the whole layer on every token in the C++ stack (see

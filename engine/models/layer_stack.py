@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.attention import AttentionMetadata, plan_step
-from engine.models.layers import Linear, RMSNorm, packed_weight, swiglu_fuses
+from engine.models.layers import RMSNorm, swiglu_fuses
+from engine.models.linear import Linear, packed_weight
 from engine.models.quant import quantized_weight
 from kernels import cpu_attention, cpu_extension
 

@@ -18,14 +18,8 @@ from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding,
 from engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layer_stack import LayerStack
-from engine.models.layers import (
-    Embedding,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    swiglu,
-)
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, swiglu
+from engine.models.linear import Embedding, Linear
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 STACKED = (

@@ -9,7 +9,7 @@ quantisation of the same float weights agree, and quantising a Q8_0 tensor's deq
 gives its shipped q and d back. A quantised weight keeps one copy: the kernel's panel pack of q
 (Q8_0: 1 byte a weight; Q4_1: half a byte) and its scales (float16: Q8_0's d, 1/16 byte a
 weight; Q4_1's d and m, 1/8 byte); the Parameter's data becomes a 4-byte placeholder as with the
-float32 pack (``engine.models.layers.pack_weight``). The kernels take float32 activations and
+float32 pack (``engine.models.linear.pack_weight``). The kernels take float32 activations and
 quantise them per block to int16 on the fly (cpu_linear_q8.cpp's file comment says why; an
 error below 1/65534 of a block's largest value).
 """

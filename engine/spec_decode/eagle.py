@@ -29,7 +29,7 @@ import torch
 from engine.model_loader import LoadedModel, default_dtype
 from engine.model_runner import ModelRunner
 from engine.models.eagle import EagleHead
-from engine.models.layers import Linear
+from engine.models.linear import Linear
 from engine.penalties import TokenHistory
 from engine.sampling_params import SamplingParams
 from engine.spans import Span
