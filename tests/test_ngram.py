@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from engine.spec_decode import propose_ngram
+from engine.spec_decode.ngram import NgramIndex
 
 
 def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -61,3 +62,24 @@ def test_matches_naive_oracle_on_random_sequences():
 def test_bad_arguments_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         propose_ngram([1, 2, 1], **({"k": 2} | kwargs))
+
+
+def test_an_index_kept_as_the_sequence_grows_matches_the_oracle_at_every_length():
+    """What the engine keeps per sequence: one NgramIndex asked at each length (sometimes
+    skipping lengths, as backoff does), and a fork's copy growing apart from its parent."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        max_n, min_n = int(rng.integers(1, 5)), 1
+        tokens = rng.integers(0, rng.integers(2, 6), size=int(rng.integers(1, 50))).tolist()
+        index = NgramIndex(max_n)
+        for length in range(1, len(tokens) + 1):
+            if rng.random() < 0.3:
+                continue  # not asked at this length
+            k = int(rng.integers(0, 5))
+            expected = naive_propose(tokens[:length], k, min_n, max_n)
+            assert index.propose(tokens[:length], k, min_n) == expected
+        fork = index.copy()
+        for copy, tail in ((fork, [0, 1, 2, 0, 1, 2, 0]), (index, [2, 1, 0, 2, 1, 0, 2])):
+            for j in range(1, len(tail) + 1):  # the fork first, then its parent, apart
+                grown = tokens + tail[:j]
+                assert copy.propose(grown, 3, min_n) == naive_propose(grown, 3, min_n, max_n)

@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from engine.spec_decode.ngram import NgramIndex
+
 
 @dataclasses.dataclass
 class DraftState:
@@ -25,7 +27,10 @@ class DraftState:
     # EAGLE: the target's features at positions first, first + 1, ... (what the head feeds next)
     first: int = 0
     features: torch.Tensor | None = None
+    # n-gram drafting: the index of the sequence's committed tokens (a cache, built on demand)
+    ngram: NgramIndex | None = None
 
     def fork(self) -> DraftState:
         """The child's copy (``features`` is shared: it is replaced, never written in place)."""
-        return dataclasses.replace(self)
+        ngram = None if self.ngram is None else self.ngram.copy()
+        return dataclasses.replace(self, ngram=ngram)

@@ -7,6 +7,49 @@ from collections.abc import Sequence
 import numpy as np
 
 
+class NgramIndex:
+    """Where each n-gram (n <= max_n) of a growing token sequence last ended, kept up to date
+    as the sequence grows: each token is indexed once (max_n entries), so a proposal costs
+    O(max_n + k) instead of a scan of the whole sequence.
+
+    Invariant: ``ends[tuple(tokens[j - n + 1 : j + 1])]`` is the largest such j below
+    ``num_indexed`` for every n-gram there; the tokens indexed never change (a sequence's
+    committed tokens only grow).
+    """
+
+    __slots__ = ("max_n", "ends", "num_indexed")
+
+    def __init__(self, max_n: int) -> None:
+        self.max_n = max_n
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0
+
+    def copy(self) -> NgramIndex:
+        """An index of its own for a fork (the two sequences grow apart)."""
+        new = NgramIndex(self.max_n)
+        new.ends, new.num_indexed = dict(self.ends), self.num_indexed
+        return new
+
+    def propose(self, tokens: Sequence[int], k: int, min_n: int) -> list[int]:
+        """``propose_ngram(tokens, k, min_n, self.max_n)``, for the sequence this index follows."""
+        length = len(tokens)
+        if k == 0 or length <= min_n:  # an earlier match of n tokens needs n + 1 tokens in all
+            return []
+        self._index(tokens, length - 1)  # every n-gram that ends before the last token
+        for n in range(min(self.max_n, length - 1), min_n - 1, -1):  # the longest match wins
+            end = self.ends.get(tuple(tokens[length - n :]))
+            if end is not None:
+                return list(tokens[end + 1 : end + 1 + k])
+        return []
+
+    def _index(self, tokens: Sequence[int], stop: int) -> None:
+        ends, max_n = self.ends, self.max_n
+        for j in range(self.num_indexed, stop):
+            for n in range(1, min(max_n, j + 1) + 1):
+                ends[tuple(tokens[j - n + 1 : j + 1])] = j
+        self.num_indexed = max(self.num_indexed, stop)
+
+
 def propose_ngram(
     token_ids: Sequence[int] | np.ndarray, k: int, min_n: int = 1, max_n: int = 4
 ) -> list[int]:
@@ -23,20 +66,4 @@ def propose_ngram(
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be one-dimensional, got shape {tokens.shape}")
-    length = tokens.shape[0]
-    if k == 0 or length <= min_n:  # an earlier match of n tokens needs n + 1 tokens in all
-        return []
-    # ends: end positions j <= length - 2 of earlier matches of the last n tokens, ascending
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
-    best = -1
-    for n in range(1, max_n + 1):
-        if n > 1:
-            ends = ends[ends >= n - 1]
-            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
-        if ends.size == 0:
-            break
-        if n >= min_n:
-            best = int(ends[-1])
-    if best < 0:
-        return []
-    return tokens[best + 1 : best + 1 + k].tolist()
+    return NgramIndex(max_n).propose(tokens.tolist(), k, min_n)

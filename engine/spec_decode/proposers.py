@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.spans import Span
 from engine.spec_decode.chain import chain_drafts, draw_drafts
 from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import NgramIndex
 from engine.spec_decode.tree import DraftTree
 from scheduler import ScheduledSequence
 
@@ -87,7 +87,8 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Stateless: drafts what followed an earlier occurrence of the sequence's suffix."""
+    """Drafts what followed the latest earlier occurrence of the sequence's suffix (each
+    sequence's ``NgramIndex`` lives on its ``DraftState``)."""
 
     runs_every_span = False
     needs_target_hidden = False
@@ -103,10 +104,17 @@ class NgramProposer:
         params: list[SamplingParams | None],
     ) -> Proposal:
         drafts = [
-            propose_ngram(s.seq.token_ids, k, self.min_n, self.max_n) if k else []
+            self._index(s.seq.owner.draft).propose(s.seq.token_ids, k, self.min_n) if k else []
             for s, k in zip(scheduled, ks, strict=True)
         ]
         return Proposal(drafts, [None] * len(drafts), {})
+
+    def _index(self, state: DraftState) -> NgramIndex:
+        """The sequence's n-gram index (made on first use; indexing the committed tokens as they
+        grow is a cache of them, not a state a failed step could leave wrong)."""
+        if state.ngram is None:
+            state.ngram = NgramIndex(self.max_n)
+        return state.ngram
 
     def commit(
         self,
