@@ -145,11 +145,11 @@ class DecodeGraphs:
         int64 = torch.zeros(3, n, dtype=torch.int64)
         int64[2] = -1  # padding rows write no K/V
         for row, values in enumerate((packed.input_ids, packed.positions, packed.slots)):
-            int64[row, :b] = torch.from_numpy(values)
+            int64[row, :b] = torch.as_tensor(values)
         # cu_query_lens never change (one token per row): only the seq_lens after them do
         seq_lens = torch.ones(n, dtype=torch.int32)
-        seq_lens[:b] = torch.from_numpy(packed.seq_lens)
-        table = torch.from_numpy(packed.block_tables)
+        seq_lens[:b] = torch.as_tensor(packed.seq_lens)
+        table = torch.as_tensor(packed.block_tables, dtype=torch.int32)
         self._copy(self.int64, int64)
         self._copy(self.int32[self.lens_at :], seq_lens)
         self._copy(self.block_tables[:b, : table.shape[1]], table)

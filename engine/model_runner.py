@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
-from engine.spans import PackedSpans, Span, pack_spans
-from memory import slot_mapping
+from engine.spans import Index, PackedSpans, Span, pack_spans
+from memory import slot_of
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -48,12 +48,11 @@ class ModelRunner:
         """Copy the K/V of each (src, dst) position of the sequence ``block_table`` addresses, in
         every layer: an accepted draft-tree leaf's K/V, written at its slot in the span, to its
         position's (engine.spec_decode.tree)."""
-        table = np.asarray(block_table, dtype=np.int64)[None]
-        src, dst = (np.asarray(x) for x in zip(*moves, strict=True))
-        rows = np.zeros(len(moves), np.int64)
         size = self.block_size
-        pairs = zip(*(slot_mapping(table, rows, x, size).tolist() for x in (src, dst)), strict=True)
-        self._copy_rows(list(pairs), lambda cache: cache.view(-1, *cache.shape[2:]))
+        pairs = [
+            (slot_of(block_table, src, size), slot_of(block_table, dst, size)) for src, dst in moves
+        ]
+        self._copy_rows(pairs, lambda cache: cache.view(-1, *cache.shape[2:]))
 
     def _copy_rows(
         self, pairs: list[tuple[int, int]], rows: Callable[[torch.Tensor], torch.Tensor]
@@ -66,31 +65,33 @@ class ModelRunner:
             view = rows(cache)
             view[dst] = view[src]
 
-    def _index_tensors(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """The step's index arrays as tensors on the device, each of its own dtype.
+    def _index_tensors(self, arrays: list[Index], int32: list[bool]) -> list[torch.Tensor]:
+        """The step's index arrays (or lists) as tensors on the device, int32 where ``int32``
+        says so, else int64.
 
-        On the CPU they are the arrays themselves (no copy). Elsewhere one host-to-device copy
-        for all (on CUDA from pinned memory, asynchronously: PyTorch's pinned-block cache reuses
-        a block only once its copy is done), as int64 then viewed back to each dtype. Each
-        starts 16-byte aligned (padded to 4 entries) like a tensor of its own: Triton
-        specialises kernels on pointer alignment.
+        On the CPU a numpy array is shared (no copy). Elsewhere one host-to-device copy for all
+        (on CUDA from pinned memory, asynchronously: PyTorch's pinned-block cache reuses a block
+        only once its copy is done), as int64 then viewed back to each dtype. Each starts
+        16-byte aligned (padded to 4 entries) like a tensor of its own: Triton specialises
+        kernels on pointer alignment.
         """
+        dtypes = [torch.int32 if narrow else torch.int64 for narrow in int32]
         if self.device.type == "cpu":
-            return [torch.from_numpy(a) for a in arrays]
+            return [torch.as_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
+        arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
         sizes = [a.size + -a.size % 4 for a in arrays]
         host = torch.zeros(sum(sizes), dtype=torch.int64)
         at = 0
         for a, size in zip(arrays, sizes, strict=True):
-            host[at : at + a.size] = torch.from_numpy(a.reshape(-1).astype(np.int64))
+            host[at : at + a.size] = torch.from_numpy(a.reshape(-1))
             at += size
         if self.device.type == "cuda":
             host = host.pin_memory()
         staged = host.to(self.device, non_blocking=True)
-        out = []
-        for a, view in zip(arrays, staged.split(sizes), strict=True):
-            dtype = torch.int32 if a.dtype == np.int32 else torch.int64
-            out.append(view[: a.size].to(dtype).view(a.shape))
-        return out
+        return [
+            view[: a.size].to(d).view(a.shape)
+            for a, view, d in zip(arrays, staged.split(sizes), dtypes, strict=True)
+        ]
 
     @torch.inference_mode()
     def forward(
@@ -135,7 +136,8 @@ class ModelRunner:
             packed.seq_lens, packed.block_tables,
         ]  # fmt: skip
         optional = [a for a in (packed.logit_rows, packed.tree_mask) if a is not None]
-        ids, pos, slots, cu, lens, tables, *more = self._index_tensors(arrays + optional)
+        int32 = [False] * 3 + [True] * 3 + [False] * len(optional)
+        ids, pos, slots, cu, lens, tables, *more = self._index_tensors(arrays + optional, int32)
         rows_index = more.pop(0) if packed.logit_rows is not None else None
         meta = AttentionMetadata(
             slot_mapping=slots,

@@ -3,7 +3,7 @@
 from memory.block_manager import BlockManager, BlockStats
 from memory.block_pool import NoFreeBlocksError
 from memory.kv_cache import allocate_kv_caches, kv_block_bytes, num_kv_blocks
-from memory.slots import slot_mapping
+from memory.slots import slot_mapping, slot_of
 
 __all__ = [
     "BlockManager",
@@ -13,4 +13,5 @@ __all__ = [
     "kv_block_bytes",
     "num_kv_blocks",
     "slot_mapping",
+    "slot_of",
 ]

@@ -16,10 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from memory.block_pool import ROOT_HASH, BlockPool, NoFreeBlocksError
-from memory.slots import slot_mapping
+from memory.slots import slot_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +194,7 @@ class BlockManager:
             raise ValueError(
                 f"need 0 <= start <= end <= num_tokens ({seq.num_tokens}), got [{start}, {end})"
             )
-        positions = np.arange(start, end)
-        table = np.asarray(seq.table, dtype=np.int64)[None]
-        return slot_mapping(table, np.zeros_like(positions), positions, self.block_size).tolist()
+        return [slot_of(seq.table, pos, self.block_size) for pos in range(start, end)]
 
     # --- rollback / lifecycle --------------------------------------------------------------
 

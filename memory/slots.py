@@ -3,7 +3,14 @@ lives in KV slot ``T[p // block_size] * block_size + p % block_size``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+
+def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
+    """The slot of one position of the sequence whose block table is ``table``."""
+    return table[position // block_size] * block_size + position % block_size
 
 
 def slot_mapping(

@@ -2,10 +2,14 @@
 causal run of its root-to-node path, on every attention backend the CPU runs and through both
 the C++ layer stack and the Python layer loop."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from conftest import build_random_llama
 
+from engine import spans as spans_mod
 from engine.model_loader import load_model, model_kv_shape
 from engine.model_runner import ModelRunner
 from engine.spans import Span, tree_depths
@@ -69,3 +73,25 @@ def test_tree_depths_and_a_span_whose_parents_do_not_fit(model):
     runner = fresh_runner(model, "torch")
     with pytest.raises(ValueError, match="3 tokens but 2 parents"):
         runner.forward([Span([1, 2, 3], 0, 1, list(range(4)), [-1, 0])])
+
+
+def test_small_and_large_steps_pack_alike():
+    """A step of a few tokens is packed in plain Python, a larger one with numpy: the same
+    values either way (trees, chunks, unwanted logit rows, ragged block tables)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        spans = []
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(1, 5)
+            start = rng.randint(0, 40)
+            table = rng.sample(range(100), -(-(start + n) // 16) + rng.randint(0, 2))
+            parents = None
+            if n > 1 and rng.random() < 0.3:
+                parents = [-1] + [rng.randrange(j) for j in range(1, n)]
+            ids = [rng.randrange(50) for _ in range(n)]
+            spans.append(Span(ids, start, rng.randint(0, n), table, parents))
+        small, large = spans_mod._pack_small(spans, 16), spans_mod._pack_large(spans, 16)
+        for name, a, b in zip(small._fields, small, large, strict=True):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert np.asarray(a).tolist() == np.asarray(b).tolist(), name
