@@ -14,6 +14,7 @@ tokens then depend on what was drafted.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -60,9 +61,9 @@ class StepSampler:
         """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
         if not jobs:
             return []
+        starts = _starts(jobs)
         raw = _gather_rows(logits, jobs)
         rows = self._mask_min_tokens(raw, jobs)
-        starts = _starts(jobs)
         sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
         if not sampled:
             tokens = self._sample_and_match(rows, jobs, starts)
@@ -115,15 +116,12 @@ class StepSampler:
     ) -> list[list[int]]:
         """Deterministic drafts: one target sample per row; a draft is accepted iff equal."""
         if all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs):
-            # Greedy fast path (what the sampler computes for an all-greedy batch, which draws
-            # nothing): the argmax of each row, without building sampling parameters or
-            # generators; a batch-1 decode step spent ~0.2 ms in those.
+            # greedy: the argmax of each row (what the sampler computes for an all-greedy
+            # batch, which draws nothing), without building sampling parameters or generators
             samples = argmax_rows(rows).tolist()
         else:
             logits, batch = self._batch(rows, jobs)
             samples = self.sampler(logits, batch).tolist()
-        if all(not job.drafts for job in jobs):  # plain decode: one token per job
-            return [[samples[start]] for start in starts]
         return verify_deterministic_drafts(samples, [job.drafts for job in jobs], starts)
 
     def _rejection(
@@ -206,11 +204,8 @@ def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
 
 
 def _starts(jobs: list[SampleJob]) -> list[int]:
-    starts, start = [], 0
-    for job in jobs:
-        starts.append(start)
-        start += job.num_rows
-    return starts
+    """Each (non-empty ``jobs``) job's first row among the jobs' rows back to back."""
+    return list(itertools.accumulate((job.num_rows for job in jobs[:-1]), initial=0))
 
 
 def _rows_of(
@@ -221,17 +216,23 @@ def _rows_of(
     return rows[torch.tensor(index, device=rows.device)]
 
 
-def _gather_rows(logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
-    """Every job's rows, back to back: a view of ``logits`` when they already lie so (every
-    step without n > 1 forks or leaves), else one gather."""
-    index, pos, in_place = [], 0, True
+def _in_place(jobs: list[SampleJob]) -> bool:
+    """The jobs' rows lie back to back from row 0, in order (no fork repeats a row, no leaf
+    row is skipped)."""
+    row = 0
     for job in jobs:
-        n = job.num_rows
-        in_place = in_place and job.row == pos
-        index.extend(range(job.row, job.row + n))
-        pos += n
-    if in_place:
-        return logits[:pos]
+        if job.row != row:
+            return False
+        row += 1 + len(job.drafts)
+    return True
+
+
+def _gather_rows(logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
+    """Every job's rows, back to back: a view of ``logits`` when they already lie so, else
+    one gather."""
+    if _in_place(jobs):
+        return logits[: jobs[-1].row + jobs[-1].num_rows]
+    index = [r for job in jobs for r in range(job.row, job.row + job.num_rows)]
     return logits[torch.tensor(index, device=logits.device)]
 
 

@@ -12,7 +12,7 @@ fails before committing leaves it as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -38,8 +38,7 @@ class Proposal:
     trees: dict[int, DraftTree] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class TargetStep:
+class TargetStep(NamedTuple):
     """What the target's forward produced for one sequence, for a proposer that reads it."""
 
     first_position: int  # the position of hidden's first row (the step's span start)

@@ -92,8 +92,10 @@ class Speculation(NoSpeculation):
         span). Slots the scheduler cut short (token budget) go to the chain first, then to
         leaves."""
         slots = [s.num_lookahead_slots if s.samples else 0 for s in scheduled]
-        ks = [min(n, self._max_depth(s.seq)) if n else 0
-              for s, n in zip(scheduled, slots, strict=True)]  # fmt: skip
+        ks = slots  # without leaves every slot is the chain's (lookahead capped it already)
+        if self.config.draft_leaves:
+            ks = [min(n, self._max_depth(s.seq)) if n else 0
+                  for s, n in zip(scheduled, slots, strict=True)]  # fmt: skip
         if not (any(ks) or self.proposer.runs_every_span):
             return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
         params = [_draft_params(s.seq.owner, self.config) if k else None
