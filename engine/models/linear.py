@@ -16,7 +16,24 @@ from kernels import cpu_extension
 _GEMV_MAX_ROWS = 2
 
 
-class Linear(nn.Linear):
+class _PackedWeight:
+    """A module whose ``weight`` may be packed or quantised: moving it (``.to()``, ``.half()``,
+    ...) gives the weight its plain data back first, a deep copy copies the pack, and a state
+    dict holds the plain weight."""
+
+    def _apply(self, fn, recurse: bool = True):
+        unpack_weight(self.weight)
+        return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo: dict):
+        return _deepcopy_packed(self, memo)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _save_plain(self.weight, destination, prefix + "weight")
+
+
+class Linear(_PackedWeight, nn.Linear):
     """nn.Linear whose CPU float32 or bf16 weight is packed once for a C++ GEMM, keeping no plain
     copy.
 
@@ -96,17 +113,6 @@ class Linear(nn.Linear):
         comes back dequantised)."""
         unpack_weight(self.weight)
 
-    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...
-        self.unpack()
-        return super()._apply(fn, recurse)
-
-    def __deepcopy__(self, memo: dict):
-        return _deepcopy_packed(self, memo)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        _save_plain(self.weight, destination, prefix + "weight")
-
     def _pack_is_current(self) -> bool:
         """Whether the C++ kernel may run: a pack, and no gradient wanted for the weight."""
         return self.packed is not None and not (
@@ -153,7 +159,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Embedding):
+class Embedding(_PackedWeight, nn.Embedding):
     """nn.Embedding that also looks rows up in a packed weight: a tied LM head's ``prepack``
     packs the shared Parameter, and the table then has no plain copy (for SmolLM2-135M that
     saves 113 MB, a fifth of its weights). Row n's k-th value sits at [n // V, k, n % V] of the
@@ -180,17 +186,6 @@ class Embedding(nn.Embedding):
             width = packed.shape[-2]
             rows = packed[ids // width, :, ids % width].flatten(1)[:, : self.embedding_dim]
         return rows.reshape(*input_ids.shape, self.embedding_dim)
-
-    def _apply(self, fn, recurse: bool = True):
-        unpack_weight(self.weight)
-        return super()._apply(fn, recurse)
-
-    def __deepcopy__(self, memo: dict):
-        return _deepcopy_packed(self, memo)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        _save_plain(self.weight, destination, prefix + "weight")
 
 
 def pack_weight(weight: nn.Parameter) -> None:
