@@ -127,20 +127,15 @@ class LLMEngine:
     def _commit(self, round: Round, results: list[list[SampleResult]]) -> list[RequestOutput]:
         progressed: dict[str, tuple[Request, bool]] = {}
         for i, (s, samples) in enumerate(zip(round.scheduled, results, strict=True)):
-            seq = s.seq
-            if seq.status is FINISHED:  # its request was aborted earlier in this loop
+            if s.seq.status is FINISHED:  # its request was aborted earlier in this loop
                 continue
-            record: SampleState = seq.owner
+            record: SampleState = s.seq.owner
             request = record.request
-            try:
-                if len(samples) == 1:  # the common case: one sample, committing on its own
-                    self._commit_sample(round, i, record, samples[0])
-                else:  # a prompt chunk (no result), or a prompt forking into n samples
-                    self._fork_and_commit(round, i, record, samples or NO_RESULT)
-                if request.params.n == 1:
-                    finished = record.finish_reason is not None
-                else:
-                    finished = request.finished
+            try:  # a prompt chunk has no result; a finished prompt of n samples has n
+                records = self._fork(record, len(samples)) if len(samples) > 1 else [record]
+                for sample, result in zip(records, samples or NO_RESULT, strict=True):
+                    self._commit_sample(round, i, sample, result)
+                finished = record.finish_reason is not None and request.finished
                 if finished:
                     del self.requests[request.request_id]
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
@@ -164,16 +159,11 @@ class LLMEngine:
         if record.finish_reason is not None:
             self.scheduler.finish(record.seq)
 
-    def _fork_and_commit(
-        self, round: Round, i: int, parent: SampleState, results: list[SampleResult]
-    ) -> None:
-        """A finished prompt's n samples share its blocks: fork, then commit each."""
-        records = [parent]
-        for index in range(1, len(results)):
-            child = self.scheduler.fork(parent.seq, next(self._seq_ids))
-            records.append(self.outputs.new_sample(parent.request, child, index, parent))
-        for record, result in zip(records, results, strict=True):
-            self._commit_sample(round, i, record, result)
+    def _fork(self, parent: SampleState, n: int) -> list[SampleState]:
+        """A finished prompt and n - 1 forks of it sharing its blocks: its n samples."""
+        forks = [self.scheduler.fork(parent.seq, next(self._seq_ids)) for _ in range(1, n)]
+        new = self.outputs.new_sample
+        return [parent] + [new(parent.request, seq, i, parent) for i, seq in enumerate(forks, 1)]
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Re-run each request's part of the failed step on its own (committing nothing) and
