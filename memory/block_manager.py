@@ -167,7 +167,7 @@ class BlockManager:
         num_new_blocks = -(-new_len // size) - len(table)
         writes_into_last = old_len % size != 0
         cow = writes_into_last and pool.ref[table[-1]] > 1
-        if num_new_blocks + cow > pool.num_free():
+        if num_new_blocks + cow and num_new_blocks + cow > pool.num_free():
             raise NoFreeBlocksError(
                 f"seq_id {seq_id} needs {num_new_blocks + cow} free blocks, {pool.num_free()} free"
             )

@@ -75,10 +75,11 @@ class NoSpeculation:
     def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
         """Per scheduled sequence, one result per sample it feeds (n when a prompt forks)."""
         if all(
-            span.num_logits == 1 and s.seq.num_output_tokens
-            and plain_greedy(s.seq.owner.request.params, s.seq.num_output_tokens)
+            span.num_logits == 1
+            and (outputs := len(s.seq.token_ids) - s.seq.num_prompt_tokens)
+            and plain_greedy(s.seq.owner.request.params, outputs)
             for s, span in zip(round.scheduled, round.spans, strict=True)
-        ):  # fmt: skip
+        ):
             # every sequence decodes one greedy token: one pass, no jobs
             return [[SampleResult([token], None)] for token in argmax_rows(output).tolist()]
         jobs, owners = [], []
