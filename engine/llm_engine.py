@@ -125,16 +125,27 @@ class LLMEngine:
         return round, self.spec.verify(round, output)
 
     def _commit(self, round: Round, results: list[list[SampleResult]]) -> list[RequestOutput]:
+        """Per sample (a finished prompt of n samples forks first): keep its tokens up to a
+        stop, record the round, move the sequence; then the outputs of the requests that
+        progressed."""
         progressed: dict[str, tuple[Request, bool]] = {}
+        append, spec_commit = self.outputs.append, self.spec.commit
+        update, finish = self.scheduler.update, self.scheduler.finish
         for i, (s, samples) in enumerate(zip(round.scheduled, results, strict=True)):
             if s.seq.status is FINISHED:  # its request was aborted earlier in this loop
                 continue
             record: SampleState = s.seq.owner
-            request = record.request
+            request, end = record.request, s.start + s.num_new_tokens
             try:  # a prompt chunk has no result; a finished prompt of n samples has n
-                records = self._fork(record, len(samples)) if len(samples) > 1 else [record]
+                records = self._fork(record, len(samples)) if len(samples) > 1 else (record,)
                 for sample, result in zip(records, samples or NO_RESULT, strict=True):
-                    self._commit_sample(round, i, sample, result)
+                    kept = append(sample, result.token_ids, result.logprobs)
+                    num_computed = end + max(len(kept) - 1, 0)  # accepted drafts' KV
+                    covered = spec_commit(round, i, sample, len(result.token_ids), kept)
+                    cacheable = num_computed if covered is None else min(num_computed, covered)
+                    update(sample.seq, num_computed, kept, cacheable)
+                    if sample.finish_reason is not None:
+                        finish(sample.seq)
                 finished = record.finish_reason is not None and request.finished
                 if finished:
                     del self.requests[request.request_id]
@@ -146,18 +157,6 @@ class LLMEngine:
                 progressed[request.request_id] = request, finished
         output = self.outputs.output
         return [output(request, finished) for request, finished in progressed.values()]
-
-    def _commit_sample(
-        self, round: Round, i: int, record: SampleState, result: SampleResult
-    ) -> None:
-        """``record`` (``round.scheduled[i]``'s sample, or a fork of it) takes its tokens."""
-        kept = self.outputs.append(record, result.token_ids, result.logprobs)
-        num_computed = round.scheduled[i].end + max(len(kept) - 1, 0)  # accepted drafts' KV
-        covered = self.spec.commit(round, i, record, len(result.token_ids), kept)
-        cacheable = num_computed if covered is None else min(num_computed, covered)
-        self.scheduler.update(record.seq, num_computed, kept, cacheable)
-        if record.finish_reason is not None:
-            self.scheduler.finish(record.seq)
 
     def _fork(self, parent: SampleState, n: int) -> list[SampleState]:
         """A finished prompt and n - 1 forks of it sharing its blocks: its n samples."""

@@ -218,6 +218,18 @@ class BlockManager:
         del seq.hashes[num_tokens // self.block_size :]
         seq.num_tokens = num_tokens
 
+    def keep(
+        self, seq_id: int, num_tokens: int | None, token_ids: Sequence[int], num_cacheable: int
+    ) -> None:
+        """After a step: ``truncate`` to ``num_tokens`` slots (None: keep them all), then
+        ``commit`` the full blocks of ``token_ids[:num_cacheable]``; one call, cheap when
+        neither has anything to do (the engine makes it for every sequence every step)."""
+        seq = self._seq(seq_id)
+        if num_tokens is not None and num_tokens != seq.num_tokens:
+            self.truncate(seq_id, num_tokens)
+        if self.enable_prefix_caching and num_cacheable // self.block_size > len(seq.hashes):
+            self.commit(seq_id, token_ids, num_cacheable)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Create `child_id` sharing all of the parent's blocks (copy-on-write on append)."""
         parent = self._seq(parent_id)

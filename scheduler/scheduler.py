@@ -186,10 +186,10 @@ class Scheduler:
         """
         seq.token_ids.extend(new_token_ids)
         seq.num_computed_tokens = num_computed
-        bm = self.block_manager
-        if new_token_ids:
-            bm.truncate(seq.seq_id, num_computed)
-        bm.commit(seq.seq_id, seq.token_ids, min(num_computed, num_cacheable))
+        rollback = num_computed if new_token_ids else None  # a prompt chunk keeps its slots
+        self.block_manager.keep(
+            seq.seq_id, rollback, seq.token_ids, min(num_computed, num_cacheable)
+        )
 
     def fork(self, parent: Sequence, child_id: int) -> Sequence:
         """A copy of ``parent`` (its tokens, computed prefix and record-to-be) that shares its

@@ -201,6 +201,26 @@ def test_reserve_grows_to_cover_and_never_shrinks(rng):
     check_refs(bm, [0, 1])
 
 
+def test_keep_is_truncate_then_commit(rng):
+    """What the scheduler calls after every step, against the two verbs it stands for."""
+    for _ in range(50):
+        ids = tokens(rng, rng.randint(1, 3 * B))
+        grown = ids + tokens(rng, rng.randint(0, 2 * B))
+        kept_len = rng.randint(len(ids), len(grown))
+        cacheable = rng.randint(0, kept_len)
+        rollback = rng.choice([None, kept_len])
+        one, two = BlockManager(16, B), BlockManager(16, B)
+        for bm in (one, two):
+            bm.allocate(0, ids)
+            bm.append(0, len(grown) - len(ids))
+        one.keep(0, rollback, grown, cacheable)
+        if rollback is not None:
+            two.truncate(0, rollback)
+        two.commit(0, grown, cacheable)
+        assert snapshot(one, [0]) == snapshot(two, [0])
+        assert one.match_prefix(grown) == two.match_prefix(grown)
+
+
 def test_append_bad_count_and_exhaustion_change_nothing(rng):
     bm = BlockManager(3, B)
     bm.allocate(0, tokens(rng, 2 * B + 1))  # 3 blocks, 3 free slots in the last
