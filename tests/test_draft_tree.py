@@ -120,7 +120,9 @@ def test_leaves_go_where_their_paths_are_likeliest_within_each_sequences_slots()
 
 
 def speculation(config: SpeculativeConfig, proposer=None) -> Speculation:
-    return Speculation(config, proposer or SimpleNamespace(), None, None, max_model_len=100)
+    proposer = proposer or SimpleNamespace(runs_every_span=False)
+    proposer.needs_target_hidden = False
+    return Speculation(config, proposer, None, None, max_model_len=100)
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=50)

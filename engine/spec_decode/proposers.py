@@ -60,7 +60,8 @@ class Proposer(Protocol):
         params: list[SamplingParams | None],
     ) -> Proposal:
         """Up to ``ks[i]`` draft tokens to follow ``scheduled[i].seq.token_ids``; ``params[i]``
-        is the request's sampling (None where ``ks[i]`` is 0)."""
+        is the request's sampling for a draft model or head (None where ``ks[i]`` is 0, and
+        for a proposer that samples nothing)."""
         ...
 
     def commit(

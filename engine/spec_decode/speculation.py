@@ -40,6 +40,9 @@ class Speculation(NoSpeculation):
         self.runner = runner  # the target's: a kept leaf's K/V moves in its cache
         self.max_model_len = max_model_len
         self.backoff = DraftBackoff(config.max_draft_skip)
+        # A draft model or head runs every span (its KV follows the target's) or reads the
+        # target's features; a proposer with neither (n-gram) samples nothing and keeps no KV.
+        self.has_draft_model = proposer.runs_every_span or proposer.needs_target_hidden
 
     # --- before the forward ---------------------------------------------------------------
     def lookahead(self, num_busy: int) -> int | Callable[[Sequence], int]:
@@ -98,8 +101,10 @@ class Speculation(NoSpeculation):
                   for s, n in zip(scheduled, slots, strict=True)]  # fmt: skip
         if not (any(ks) or self.proposer.runs_every_span):
             return Proposal([[] for _ in scheduled], [None] * len(scheduled), {})
-        params = [_draft_params(s.seq.owner, self.config) if k else None
-                  for s, k in zip(scheduled, ks, strict=True)]  # fmt: skip
+        params = [
+            _draft_params(s.seq.owner, self.config) if k and self.has_draft_model else None
+            for s, k in zip(scheduled, ks, strict=True)
+        ]
         if not self.config.draft_leaves:
             return self.proposer.propose(scheduled, ks, params)
         leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
@@ -141,8 +146,19 @@ class Speculation(NoSpeculation):
         self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
     ) -> int | None:
         s = round.scheduled[i]
-        num_drafts = len(round.drafts(i))
-        num_computed = s.end + max(len(kept) - 1, 0)
+        num_drafts = len(round.proposal.drafts[i])
+        if num_drafts:
+            accepted = emitted - 1
+            outputs = len(record.seq.token_ids) - record.seq.num_prompt_tokens + len(kept)
+            self.backoff.record(record.draft, accepted, outputs)
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += accepted
+            self.num_verifications += 1
+            for j in range(accepted):
+                self.accepted_by_position[j] += 1
+        if not self.has_draft_model:  # nothing of the step to record
+            return None
+        num_computed = s.start + s.num_new_tokens + max(len(kept) - 1, 0)
         features = round.features[i] if round.features is not None else None
         leaf = round.leaf_hits.get(i)
         if leaf is not None and len(kept) == emitted:  # the leaf's token is the last but one
@@ -151,15 +167,6 @@ class Speculation(NoSpeculation):
             if features is not None:  # its rows by position, as the proposer reads them
                 features = torch.cat([features[:depth], features[leaf : leaf + 1]])
             self.num_leaf_tokens += 1
-        if num_drafts:
-            accepted = emitted - 1
-            outputs = record.seq.num_output_tokens + len(kept)
-            self.backoff.record(record.draft, accepted, outputs)
-            self.num_draft_tokens += num_drafts
-            self.num_accepted_tokens += accepted
-            self.num_verifications += 1
-            for j in range(accepted):
-                self.accepted_by_position[j] += 1
         written = round.proposal.written.get(s.seq.seq_id)
         target = TargetStep(s.start, features, num_computed)
         return self.proposer.commit(record.draft, written, kept, target)
