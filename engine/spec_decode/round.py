@@ -46,9 +46,6 @@ class Round:
     features: list[torch.Tensor | None] | None = None
     leaf_hits: dict[int, int] = dataclasses.field(default_factory=dict)
 
-    def drafts(self, i: int) -> list[int]:
-        return self.proposal.drafts[i] if self.proposal.drafts else []
-
 
 class NoSpeculation:
     """Speculation off: each span is a sequence's scheduled tokens, sampled where it ends."""
