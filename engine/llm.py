@@ -111,8 +111,49 @@ def render_chat(tokenizer: Any, messages: Messages) -> tuple[str, list[int]]:
     adding them would double the BOS on Llama-3 or Mistral tokenizers."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")
+    messages = checked_messages(messages)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class MessageError(ValueError):
+    """A chat message that is not one: ``field`` names it (``messages[i].content``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+def checked_messages(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` as the chat template takes them: each a dict with a ``role`` of CHAT_ROLES
+    and a ``content`` that is a string or a list of text parts (``{"type": "text", "text":
+    ...}``, joined); anything else is a MessageError naming the field."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise MessageError("messages", "must be a non-empty list of {role, content} dicts")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise MessageError(f"messages[{i}]", f"must be a dict, got {type(message).__name__}")
+        if message.get("role") not in CHAT_ROLES:
+            raise MessageError(
+                f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {message.get('role')!r}"
+            )
+        content = message.get("content")
+        if isinstance(content, list) and all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise MessageError(
+                f"messages[{i}].content",
+                f"must be a string or a list of text parts, got {content!r}"[:200],
+            )
+        checked.append({**message, "content": content})
+    return checked
 
 
 def _prompt_list(prompts: PromptType | Iterable[PromptType]) -> list:

@@ -235,6 +235,31 @@ def test_chat_prompt_has_exactly_one_bos(bos_llama):
     assert token_ids(outs) == token_ids(llm.chat(messages, GREEDY, use_tqdm=False)) * 2
 
 
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([{"role": "user"}], r"messages\[0\]\.content"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\.content"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
+         r"messages\[1\]\.role"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\]\.content"),
+        (["hi"], r"messages must be a non-empty list"),  # a list of conversations, then
+    ],
+)  # fmt: skip
+def test_bad_chat_messages_name_the_field(bos_llama, messages, field):
+    llm = LLM(bos_llama, num_kv_blocks=64)
+    with pytest.raises(ValueError, match=field):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+    ]
+    plain = [{"role": "user", "content": "hi"}]
+    assert token_ids(llm.chat(parts, GREEDY, use_tqdm=False)) == token_ids(
+        llm.chat(plain, GREEDY, use_tqdm=False)
+    )
+
+
 # --- SamplingParams -----------------------------------------------------------------------------
 
 

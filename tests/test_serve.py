@@ -248,6 +248,10 @@ def test_errors(server):
     _error(post("/v1/completions", json=ok | {"prompt": [7] * MAX_MODEL_LEN}), 400, "prompt")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": " x" * MAX_MODEL_LEN}]}
     _error(post("/v1/chat/completions", json=chat), 400, "messages")
+    for message, field in (({"role": "user"}, "messages[0].content"),
+                           ({"role": "robot", "content": "x"}, "messages[0].role")):  # fmt: skip
+        chat = {"model": MODEL, "messages": [message]}
+        _error(post("/v1/chat/completions", json=chat), 400, field)
     chat["messages"] = MESSAGES
     _error(post("/v1/chat/completions", json=chat | {"top_logprobs": 2}), 400, "top_logprobs")
     _error(post("/v1/chat/completions", json=chat | {"max_completion_tokens": 0}), 400,

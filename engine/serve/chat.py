@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from engine.llm import render_chat
+from engine.llm import MessageError, render_chat
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serve.logprobs import chat_logprobs
@@ -53,6 +53,8 @@ def max_tokens_field(req: ChatCompletionRequest) -> str:
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> dict[str, list[int]]:
     try:
         _, token_ids = render_chat(tokenizer, [m.for_template() for m in req.messages])
+    except MessageError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
     except Exception as e:  # noqa: BLE001 - a template error is the request's
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
     return {"prompt_token_ids": token_ids}
