@@ -159,10 +159,17 @@ def from_options(
     try:
         return factory(**{field: getattr(args, dest) for field, dest in options.items()}, **extra)
     except ValueError as e:
-        dest = options.get(str(e).split(" ", 1)[0])
-        if dest is None:
+        named = _named(e, options)
+        if named is e:
             raise
-        raise ValueError(f"--{dest.replace('_', '-')}: {e}") from None
+        raise named from None
+
+
+def _named(error: ValueError, options: dict[str, str]) -> ValueError:
+    """``error`` naming its option ("--max-model-len: max_model_len must be ..."), when its
+    message starts with one of ``options``' fields; else ``error`` itself."""
+    dest = options.get(str(error).split(" ", 1)[0])
+    return error if dest is None else ValueError(f"--{dest.replace('_', '-')}: {error}")
 
 
 def _check_path(name: str, path: str | None) -> None:
@@ -208,6 +215,8 @@ def check_args(
     )
     if args.output is not None and not args.output.parent.is_dir():
         raise ValueError(f"--output: directory {str(args.output.parent)!r} does not exist")
+    if args.output is not None and args.output.is_dir():
+        raise ValueError(f"--output: {str(args.output)!r} is a directory, not a file")
     return items, params, config
 
 
@@ -218,10 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
-    prompts = [_engine_prompt(item, args, llm.tokenizer) for item in items]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    try:  # what only the model can tell: its length, the KV that fits, how its heads split
+        llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
+        prompts = [_engine_prompt(item, args, llm.tokenizer) for item in items]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+    except ValueError as e:
+        print(f"error: {_named(e, ENGINE_OPTIONS)}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - start
     if args.output:
         with args.output.open("w") as sink:

@@ -374,13 +374,30 @@ def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, ba
         (["--dtype", "float8"], "--dtype"),
         (["--model", "{missing}"], "--model"),
         (["--output", "{missing}/out.jsonl"], "--output"),
+        (["--output", "{tmp}"], "--output"),  # a directory: checked before generating
         (["--prompt", ""], "--prompt"),
     ],
 )  # fmt: skip
 def test_generate_script_names_the_bad_flag(no_model, capsys, tmp_path, flags, named):
-    flags = [f.format(missing=tmp_path / "missing") for f in flags]
+    flags = [f.format(missing=tmp_path / "missing", tmp=tmp_path) for f in flags]
     assert engine.generate.main(["--prompt", "hi", *flags]) == 2
     assert one_error_line(capsys).startswith(f"error: {named}: ")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-model-len", "10000000"], "error: --max-model-len: max_model_len must be <= "),
+        (["--num-kv-blocks", "1"], "error: request needs up to "),  # the prompt does not fit
+        (["--tensor-parallel-size", "3"], "error: "),  # the tiny model's heads do not split 3 ways
+    ],
+)
+def test_generate_script_reports_what_the_model_refuses_in_one_line(
+    tiny_llama, capsys, flags, message
+):
+    prompt = "one two three " * 20
+    assert engine.generate.main(["--model", tiny_llama, "--prompt", prompt, *flags]) == 2
+    assert one_error_line(capsys).startswith(message)
 
 
 def test_generate_script_passes_the_kv_cache_dtype_on():
