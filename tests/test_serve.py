@@ -270,6 +270,18 @@ def test_errors(server):
     assert _error(httpx.post(f"{server.url}/v1/completions", json=ok), 401)["code"]
     wrong = {"Authorization": "Bearer nope"}
     _error(httpx.post(f"{server.url}/v1/completions", json=ok, headers=wrong), 401)
+    broken = '{"model": "m", "prompt": }'  # the key is checked before the body is read
+    as_json = {"Content-Type": "application/json"}
+    _error(httpx.post(f"{server.url}/v1/completions", content=broken, headers=as_json), 401)
+    error = _error(post("/v1/completions", content=broken, headers=as_json), 400)
+    assert error["param"] is None and error["message"].startswith("invalid JSON at position 25")
+    # strict types, as OpenAI's: no coercion of strings to numbers or booleans
+    _error(post("/v1/completions", json=ok | {"n": "2"}), 400, "n")
+    _error(post("/v1/completions", json=ok | {"stream": "yes"}), 400, "stream")
+    _error(post("/v1/completions", json=ok | {"logprobs": 21}), 400, "logprobs")
+    _error(post("/v1/chat/completions", json=chat | {"logprobs": True, "top_logprobs": 21}), 400,
+           "top_logprobs")  # fmt: skip
+    assert post("/v1/completions", json=ok | {"temperature": 1}).status_code == 200  # int: fine
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="other", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="top_p"):

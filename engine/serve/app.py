@@ -12,7 +12,7 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,6 +60,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":  # loc is ("body", the offset): not a field
+            at = first.get("loc", ("body", "?"))[-1]
+            reason = first.get("ctx", {}).get("error", "not JSON")
+            message = f"invalid JSON at position {at}: {reason}"
+            return error_response(APIError(400, message, code="invalid_json"))
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
@@ -70,13 +75,17 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         kind = "NotFoundError" if error.status_code == 404 else "InvalidRequestError"
         return error_response(APIError(error.status_code, str(error.detail), kind))
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or invalid API key", "AuthenticationError",
-                           code="invalid_api_key")  # fmt: skip
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        """The API key, before anything else about a /v1 request (its body included)."""
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                denied = APIError(
+                    401, "missing or invalid API key", "AuthenticationError", code="invalid_api_key"
+                )
+                return error_response(denied)
+        return await call_next(request)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -111,7 +120,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         finally:
             group.close()
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         check_model(body.model)
         params = completion_params(body)
@@ -127,7 +136,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             lambda: completions.full(group, params),
         )
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         params = chat_params(body)
@@ -144,7 +153,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             lambda: chat.full(group, body),
         )
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.engine.max_model_len)])
 

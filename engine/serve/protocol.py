@@ -1,7 +1,9 @@
 """Request and response bodies, mirroring OpenAI's (plus vLLM's sampling extras).
 
 Requests forbid unknown fields, so a misspelt option is a 400 naming it rather than silently
-ignored. Sampling fields left out (None) take ``SamplingParams``' defaults, which are OpenAI's.
+ignored, and take their types strictly, as OpenAI does (``"n": "2"`` or ``"stream": "yes"`` is a
+400, not a 2 or a True). Sampling fields left out (None) take ``SamplingParams``' defaults,
+which are OpenAI's.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ SAMPLING_FIELDS = (
 )  # fmt: skip
 
 
+# Most logprobs a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     n: int | None = None
     stream: bool = False
@@ -59,7 +66,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ContentPart(BaseModel):
@@ -84,7 +91,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class Usage(BaseModel):
