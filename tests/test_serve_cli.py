@@ -40,6 +40,12 @@ def test_defaults_and_flags_build_the_configs():
     assert speculative_dest("method") == "speculative_method"
 
 
+def test_the_model_may_come_first_as_in_vllm_serve(tmp_path):
+    model = str(tmp_path)  # an existing path: the check that it exists passes
+    assert parse_args([model, "--port", "9000"]).engine.model == model
+    assert parse_args([model, "--model", model]).engine.model == model
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
@@ -50,6 +56,8 @@ def test_defaults_and_flags_build_the_configs():
         (["--max-queue", "-1"], "--max-queue"),
         (["--max-queue", "0"], "--max-queue"),  # would answer every request 503
         (["--model", "/no/such/dir"], "--model"),
+        (["/no/such/dir"], "--model"),  # the positional MODEL is --model
+        (["--model", "/a", "/b"], "--model"),  # given twice, differently
     ],
 )  # fmt: skip
 def test_bad_flags_name_the_flag(argv, flag):

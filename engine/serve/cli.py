@@ -136,6 +136,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str], dict[str, s
         description="OpenAI-compatible HTTP server for pagedspec.",
         formatter_class=HelpFormatter,
     )
+    p.add_argument(
+        "model_path", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's serve MODEL)"
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -169,6 +172,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse and check everything before the model loads; ValueError names the bad flag."""
     parser, engine_options, spec_options = build_parser()
     args = parser.parse_args(argv)
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ValueError(f"--model: {args.model!r} and MODEL {args.model_path!r} disagree")
+        args.model = args.model_path
     if args.max_queue < 1:  # 0 would refuse every request (each waits until the next step)
         raise ValueError(f"--max-queue must be an integer >= 1, got {args.max_queue}")
     if args.shutdown_timeout < 0:

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.outputs import EngineStats
@@ -58,6 +64,9 @@ class EngineStatsCollector:
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        # No `_created` series beside each counter and histogram (vLLM turns them off too):
+        # prometheus_client's switch for it is process-wide.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats))
         r = self.registry
