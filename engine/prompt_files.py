@@ -36,11 +36,16 @@ def _parse_jsonl_line(line: str, where: str) -> str | Messages:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-    if isinstance(obj, dict) and "messages" in obj:
+    if not isinstance(obj, dict) or len(obj.keys() & {"prompt", "messages"}) != 1:
+        raise ValueError(f"{where}: expected an object with a 'prompt' or a 'messages' key")
+    unknown = sorted(obj.keys() - {"prompt", "messages"})
+    if unknown:  # sampling options are the script's flags, the same for every line
+        raise ValueError(
+            f"{where}: unknown key(s) {unknown}: a line holds 'prompt' or 'messages' alone"
+        )
+    if "messages" in obj:
         return _check_messages(obj["messages"], where)
-    if isinstance(obj, dict) and "prompt" in obj:
-        return _check_prompt(obj["prompt"], where)
-    raise ValueError(f"{where}: expected an object with a 'prompt' or a 'messages' key")
+    return _check_prompt(obj["prompt"], where)
 
 
 def _check_prompt(prompt: object, where: str) -> str:

@@ -343,6 +343,8 @@ def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path
         ('{"text": "hi"}', "'prompt' or a 'messages' key"),
         ('{"prompt": 3}', "prompt must be a non-empty string"),
         ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+        ('{"prompt": "hi", "max_tokens": 5}', "unknown key(s) ['max_tokens']"),
+        ('{"prompt": "hi", "messages": []}', "'prompt' or a 'messages' key"),
     ],
 )
 def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, bad_line, match):
