@@ -1,11 +1,32 @@
-"""pagedspec's public API."""
+"""pagedspec's public API.
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+The names load on first use (PEP 562): ``python -m engine.serve --help`` and the scripts' flag
+errors then answer without importing torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, SpeculativeConfig
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+_MODULES = {
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "EngineStats": "engine.outputs",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params",
+    "SpeculativeConfig": "engine.config",
+}
 __all__ = [
     "LLM",
     "CompletionOutput",
@@ -17,3 +38,9 @@ __all__ = [
     "SamplingParams",
     "SpeculativeConfig",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULES[name]), name)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kernels.tree_mask import MAX_TREE_TOKENS
-
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 # None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
@@ -131,6 +129,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_leaves must be an integer >= 0, got {leaves!r}")
         if leaves and self.method != "eagle":
             raise ValueError(f"draft_leaves needs method='eagle', got {self.method!r}")
+        # (kernels imports torch: the flags are checked before it loads, see engine.generate)
+        from kernels.tree_mask import MAX_TREE_TOKENS
+
         if leaves and self.num_speculative_tokens + leaves >= MAX_TREE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens + draft_leaves must be < {MAX_TREE_TOKENS} "

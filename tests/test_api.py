@@ -19,6 +19,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
 import engine.generate
+import engine.llm
 from engine import LLM, EngineConfig, RequestOutputKind, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -316,7 +317,7 @@ def no_model(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(engine.generate, "LLM", load)
+    monkeypatch.setattr(engine.llm, "LLM", load)  # what engine.generate imports to load it
 
 
 def one_error_line(capsys) -> str:

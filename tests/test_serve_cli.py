@@ -3,12 +3,17 @@ before the model loads, errors naming the flag."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.serve.cli import build_parser, parse_args, speculative_dest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_config_field_has_a_flag():
@@ -80,3 +85,19 @@ def test_xformers_eagle_flags_verify_chains_unless_leaves_are_asked_for():
     with pytest.raises(ValueError, match="draft_leaves needs tree masks"):
         parse_args([*eagle, "--draft-leaves", "2"])
     assert parse_args(eagle[2:]).engine.speculative_config.draft_leaves == 3
+
+
+def test_help_and_flag_errors_do_not_import_torch():
+    """The scripts parse and check their flags before torch and the engine load (seconds)."""
+    code = (
+        "import sys\n"
+        "import engine.generate, engine.serve.__main__ as serve\n"
+        "from engine.serve.cli import build_parser\n"
+        "build_parser()[0].format_help(); engine.generate.build_parser().format_help()\n"
+        "assert serve.main(['--max-num-seqs', '0']) == 2\n"
+        "assert engine.generate.main(['--prompt', 'hi', '--temperature', '-1']) == 2\n"
+        "print('torch' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"

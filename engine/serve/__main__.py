@@ -11,11 +11,6 @@ import signal
 import sys
 from types import FrameType
 
-import uvicorn
-
-from engine.llm_engine import LLMEngine
-from engine.serve.app import create_app
-from engine.serve.async_engine import AsyncEngine
 from engine.serve.cli import parse_args
 
 
@@ -29,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # The server's imports (torch, the engine, uvicorn) only once the flags pass.
+    import uvicorn
+
+    from engine.llm_engine import LLMEngine
+    from engine.serve.app import create_app
+    from engine.serve.async_engine import AsyncEngine
+
     # While serving, uvicorn's own handler runs the graceful shutdown; it then restores this
     # handler and re-raises SIGTERM to it, which is how the process ends with status 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)

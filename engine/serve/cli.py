@@ -17,7 +17,6 @@ from engine.config import (
     EngineConfig,
     SpeculativeConfig,
 )
-from engine.default_model import GGUF_NAME
 from engine.generate import (
     HelpFormatter,
     checked_engine_config,
@@ -203,5 +202,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 def default_served_name(model: str | None) -> str:
     if model is None:
+        from engine.default_model import GGUF_NAME  # (imports torch: after the flags)
+
         return GGUF_NAME.split(".")[0]
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
