@@ -27,6 +27,7 @@ from engine.request import SampleState
 from engine.sampler import argmax_rows
 from engine.spans import Span
 from engine.spec_decode.proposers import Proposal
+from engine.spec_decode.rejection import verify_deterministic_drafts
 from engine.step_sampler import SampleJob, SampleResult, StepSampler, plain_greedy
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
@@ -71,14 +72,9 @@ class NoSpeculation:
 
     def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
         """Per scheduled sequence, one result per sample it feeds (n when a prompt forks)."""
-        if all(
-            span.num_logits == 1
-            and (outputs := len(s.seq.token_ids) - s.seq.num_prompt_tokens)
-            and plain_greedy(s.seq.owner.request.params, outputs)
-            for s, span in zip(round.scheduled, round.spans, strict=True)
-        ):
-            # every sequence decodes one greedy token: one pass, no jobs
-            return [[SampleResult([token], None)] for token in argmax_rows(output).tolist()]
+        greedy = greedy_round(round, output)
+        if greedy is not None:
+            return greedy
         jobs, owners = [], []
         row = 0
         for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
@@ -115,6 +111,28 @@ class NoSpeculation:
             num_leaf_tokens=self.num_leaf_tokens,
             accepted_by_position=tuple(self.accepted_by_position),
         )
+
+
+def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]] | None:
+    """The round's results where every sampling span is a greedy decode with greedy drafts or
+    none and no draft tree: each row's argmax, the drafts matched against it, in one pass
+    (no sampling jobs); None where some span needs more (a fork, sampling, penalties,
+    min_tokens, logprobs)."""
+    drafts = round.proposal.drafts
+    starts, chains, owners, row = [], [], [], 0
+    for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
+        if not span.num_logits:
+            continue
+        outputs = len(s.seq.token_ids) - s.seq.num_prompt_tokens
+        if not outputs or not plain_greedy(s.seq.owner.request.params, outputs):
+            return None
+        starts.append(row)
+        chains.append(drafts[i] if drafts else ())
+        owners.append(i)
+        row += span.num_logits
+    samples = argmax_rows(logits[:row]).tolist()
+    emitted = verify_deterministic_drafts(samples, chains, starts)
+    return by_owner(len(round.scheduled), owners, [SampleResult(e, None) for e in emitted])
 
 
 def by_owner(num: int, owners: list[int], results: list[SampleResult]) -> list[list[SampleResult]]:

@@ -16,7 +16,7 @@ from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
-from engine.spec_decode.round import NoSpeculation, Round, by_owner
+from engine.spec_decode.round import NoSpeculation, Round, by_owner, greedy_round
 from engine.spec_decode.tree import sample_at_leaves, tree_slots
 from engine.step_sampler import SampleJob, SampleResult, StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
@@ -120,6 +120,10 @@ class Speculation(NoSpeculation):
         proposal = round.proposal
         if not any(proposal.drafts):  # nothing to verify this step: plain sampling
             return super().verify(round, logits)
+        if not proposal.trees and all(q is None for q in proposal.draft_probs):
+            greedy = greedy_round(round, logits)
+            if greedy is not None:
+                return greedy
         jobs, owners, first_rows = [], [], {}
         row = 0
         for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
