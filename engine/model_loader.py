@@ -6,16 +6,11 @@ a ``.gguf`` file (dequantized by ``engine.gguf_loader``), or ``None`` for the de
 """
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.tokenization_auto import (
@@ -34,15 +29,11 @@ from engine.models.huge_pages import ALIGN, WeightArena, aligned
 from engine.models.layers import RMSNorm
 from engine.models.linear import Linear, packs_in_place
 from engine.models.llama import STACKED, head_dim_of
+from engine.safetensors_loader import iter_safetensors, safetensors_files
 from kernels import cpu_extension
 
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # What a checkpoint source yields: config, tokenizer, and its HF-named weights (None: dummy).
@@ -226,73 +217,6 @@ def _load_tokenizer(path: str, config: PretrainedConfig) -> PreTrainedTokenizerB
     if tokenizer_config.get("tokenizer_class") and "auto_map" not in tokenizer_config:
         return AutoTokenizer.from_pretrained(path, config=config)
     return AutoTokenizer.from_pretrained(path)
-
-
-def safetensors_files(path: str) -> list[str]:
-    """The checkpoint files of a HF directory, following model.safetensors.index.json if any."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not names:
-        raise ValueError(f"no *.safetensors checkpoint in model directory {path!r}")
-    return [os.path.join(path, n) for n in names]
-
-
-def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of the given files, one at a time; ``lazy``
-    yields safetensors slices instead (a tensor-parallel rank indexes one to read only its
-    part; valid until the next item).
-
-    Each tensor is read into its own buffer, which the caller drops once copied, rather than
-    through safetensors' memory map: the mapped pages of every tensor read so far stay in the
-    process's resident set until the file closes, which for the default model added its whole
-    checkpoint (513 MB) to the peak RSS of loading. The largest tensors come first, while few
-    parameters are resident yet (see ``_materialize``).
-    """
-    if lazy:
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_slice(name)
-        return
-    for file in files:
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            by_size = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-            by_size.sort(key=lambda item: item[1]["data_offsets"][0] - item[1]["data_offsets"][1])
-            for name, info in by_size:
-                begin, end = info["data_offsets"]
-                f.seek(8 + header_len + begin)
-                buffer = torch.empty(end - begin, dtype=torch.uint8)
-                if f.readinto(buffer.numpy()) != end - begin:
-                    raise ValueError(f"{file!r} ends inside tensor {name!r}")
-                dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-                yield name, buffer.view(dtype).reshape(info["shape"])
-                del buffer
-                trim_heap()
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
-
-    A tensor's read buffer is freed once copied, but glibc keeps freed chunks below its mmap
-    threshold, which rises (to 32 MB) after the first large buffer is unmapped: without a trim
-    per tensor those chunks added 22 MB to the default model's peak RSS of loading."""
-    malloc_trim = _malloc_trim()
-    if malloc_trim is not None:
-        malloc_trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return getattr(libc, "malloc_trim", None)
 
 
 def _open_gguf(path: str, dummy: bool) -> _Source:

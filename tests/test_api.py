@@ -446,7 +446,12 @@ def test_jsonl_prompts_round_trip(tmp_path):
 
 # --- import graph -------------------------------------------------------------------------------
 
-LOADING_MODULES = ("engine.gguf_loader", "engine.default_model", "engine.model_loader")
+LOADING_MODULES = (
+    "engine.gguf_loader",
+    "engine.safetensors_loader",
+    "engine.default_model",
+    "engine.model_loader",
+)
 
 
 @pytest.mark.parametrize("module", LOADING_MODULES)

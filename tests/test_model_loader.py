@@ -20,10 +20,11 @@ import engine.default_model
 from engine import LLM, SamplingParams, model_loader
 from engine.default_model import convert_gguf
 from engine.gguf_loader import iter_gguf
-from engine.model_loader import iter_safetensors, load_model, resolve_dtype
+from engine.model_loader import load_model, resolve_dtype
 from engine.models.layers import RMSNorm
 from engine.models.linear import packed_weight
 from engine.models.quant import quantized_weight
+from engine.safetensors_loader import iter_safetensors
 from kernels import cpu_extension
 
 Q = gguf.GGMLQuantizationType
