@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -80,16 +81,16 @@ def llm(model_dir) -> LLM:
     return LLM(model_dir, num_kv_blocks=64)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[Server]:
+def start_server(model_dir: str, *flags: str, stderr: int | None = None) -> Server:
+    """``python -m engine.serve`` with ``flags`` on a free port, once its /health answers."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "engine.serve", "--model", model_dir, "--port", str(port),
         "--api-key", API_KEY, "--served-model-name", MODEL, "--num-kv-blocks", "1024",
-        "--max-num-seqs", "2", "--max-queue", "2", "--shutdown-timeout", "20",
-        "--log-level", "warning",
+        "--log-level", "warning", *flags,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -101,10 +102,17 @@ def server(model_dir) -> Iterator[Server]:
             pass
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.2)
-    yield Server(proc, url)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    return Server(proc, url)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir) -> Iterator[Server]:
+    flags = ("--max-num-seqs", "2", "--max-queue", "2", "--shutdown-timeout", "20")
+    server = start_server(model_dir, *flags)
+    yield server
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.proc.wait()
 
 
 def greedy(**kwargs) -> SamplingParams:
@@ -360,3 +368,42 @@ def test_sigterm_finishes_running_requests_then_exits(server):
     assert server.proc.wait(timeout=30) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health")
+
+
+def test_sigterm_drains_then_aborts_what_is_left(model_dir):
+    """Past --shutdown-timeout a stream ends with an "abort" chunk and [DONE], a waiting
+    non-streaming request gets a 503 body; while draining, /health (GET and HEAD) and new
+    requests get 503; no traceback, exit 0."""
+    server = start_server(model_dir, "--shutdown-timeout", "1", stderr=subprocess.PIPE)
+    try:
+        assert httpx.head(f"{server.url}/health").status_code == 200
+        body = {"model": MODEL, "prompt": "The quick", "max_tokens": LONG, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        waiting = threading.Thread(
+            target=lambda: whole.append(server.http.post("/v1/completions", json=body))
+        )
+        waiting.start()
+        with server.http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            while server.metrics()["pagedspec:num_requests_running"] < 2:
+                time.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert httpx.get(f"{server.url}/health").status_code == 503
+            assert httpx.head(f"{server.url}/health").status_code == 503
+            refused = server.http.post("/v1/completions", json=body | {"max_tokens": 1})
+            assert refused.status_code == 503
+            rest = [line for line in lines if line]
+        waiting.join(timeout=30)
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"abort"' in rest[-2]
+        error = _error(whole[0], 503)
+        assert error["type"] == "ServiceUnavailableError" and "shut down" in error["message"]
+        assert server.proc.wait(timeout=30) == 0
+        log = server.proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait()

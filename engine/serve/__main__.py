@@ -1,8 +1,9 @@
 """``python -m engine.serve``: parse the flags, load the model, serve until SIGTERM / Ctrl-C.
 
-On SIGTERM uvicorn stops accepting connections and waits up to ``--shutdown-timeout`` seconds
-for the running requests; then the app's shutdown aborts whatever is left (freeing its KV
-blocks) and stops the engine thread, and the process exits with status 0.
+On SIGTERM (or Ctrl-C) the server drains (``engine.serve.graceful``): new requests and
+``/health`` get 503 while the running requests go on for up to ``--shutdown-timeout`` seconds;
+then what is left is aborted (streams end with finish reason "abort" and ``[DONE]``), the
+engine thread stops and the process exits with status 0.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.llm_engine import LLMEngine
     from engine.serve.app import create_app
     from engine.serve.async_engine import AsyncEngine
+    from engine.serve.graceful import DrainingServer
 
-    # While serving, uvicorn's own handler runs the graceful shutdown; it then restores this
-    # handler and re-raises SIGTERM to it, which is how the process ends with status 0.
+    # While serving, the server's own handler drains; it then restores this handler and
+    # re-raises SIGTERM to it, which is how the process ends with status 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     engine = AsyncEngine(LLMEngine(args.engine), args.max_queue)
     app = create_app(engine, args.served_model_name, args.api_key)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()
+    DrainingServer(config, engine, args.shutdown_timeout).run()
     return 0
 
 

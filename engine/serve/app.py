@@ -36,7 +36,7 @@ from engine.serve.sse import ClientDisconnected, EventStreamResponse, unless_dis
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app around a not-yet-started ``AsyncEngine``: startup starts its thread, shutdown
-    (after uvicorn has let running requests finish) aborts what is left and stops it."""
+    (after the server's drain, ``engine.serve.graceful``) aborts what is left and stops it."""
     metrics = ServerMetrics(lambda: engine.stats)
     tokenizer, max_model_len = engine.engine.tokenizer, engine.engine.max_model_len
     completions, chat = Completions(tokenizer, model_name), Chat(tokenizer, model_name)
@@ -157,7 +157,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.engine.max_model_len)])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if engine.alive else 503)
 

@@ -5,6 +5,10 @@ between steps, and each request's outputs come back through an ``OutputMailbox``
 engine thread with ``call_soon_threadsafe``. An add answers through a future, so a prompt or
 sampling parameter the engine rejects raises ``ValueError`` in the handler. An abort frees the
 request's KV blocks before the next step runs.
+
+Shutdown has two stages: ``drain`` refuses new requests (and makes ``alive`` false) while the
+running ones go on; ``abort_all`` ends those (each gets its final output, finish reason
+"abort"); ``shutdown`` then stops the thread.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class EngineDeadError(Exception):
     """The engine thread has stopped: shutdown, or a tensor-parallel rank is gone."""
 
 
+ABORT_ALL = object()  # the command that aborts every request, delivering its final output
+
+
 @dataclass(frozen=True)
 class _Add:
     request_id: str
@@ -76,11 +83,12 @@ class AsyncEngine:
         self.max_queue = max_queue
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Condition()
-        self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
+        self._commands: list[_Add | str | object] = []  # an add, an id to abort, ABORT_ALL
         self._mailboxes: dict[str, OutputMailbox] = {}  # engine thread only
         self._stats = engine.get_stats()  # replaced after every step, read by anyone
         self._pending_adds = 0  # posted but not applied; guarded by _wake
         self._stopping = False
+        self._draining = False  # no new request is taken; the running ones go on
         self._stop_reason = "the server is shutting down"  # what refused requests are told
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -91,7 +99,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not (self._stopping or self._draining)
 
     @property
     def stats(self) -> EngineStats:
@@ -125,6 +133,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._commands.append(request_id)
+            self._wake.notify()
+
+    def drain(self) -> None:
+        """Take no new request (``add`` raises EngineDeadError); the running ones go on."""
+        with self._wake:
+            self._draining = True
+
+    def abort_all(self) -> None:
+        """Abort every request the engine holds; each handler gets its final output."""
+        with self._wake:
+            self._commands.append(ABORT_ALL)
             self._wake.notify()
 
     def shutdown(self) -> None:
@@ -164,9 +183,14 @@ class AsyncEngine:
             self._deliver(outputs)
         self._fail_all(EngineDeadError("the server shut down"))
 
-    def _apply(self, commands: list[_Add | str]) -> None:
+    def _apply(self, commands: list[_Add | str | object]) -> None:
         """Runs under ``_wake``: adds and aborts, in the order they were posted."""
         for command in commands:
+            if command is ABORT_ALL:
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                self._deliver(self.engine.step())  # the aborts' outputs; nothing else runs
+                continue
             if isinstance(command, str):
                 self.engine.abort_request(command)  # False when it already finished
                 self._mailboxes.pop(command, None)
@@ -180,7 +204,7 @@ class AsyncEngine:
             self._mailboxes[command.request_id] = command.mailbox
             command.done.set_result(None)
 
-    def _refuse(self, commands: list[_Add | str]) -> None:
+    def _refuse(self, commands: list[_Add | str | object]) -> None:
         """Runs under ``_wake`` at shutdown: adds not applied yet fail in their handlers."""
         for command in commands:
             if isinstance(command, _Add):

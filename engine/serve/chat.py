@@ -25,7 +25,7 @@ from engine.serve.serving import (
     APIError,
     Delta,
     Deltas,
-    check_finished,
+    check_complete,
     sampling_params,
     sse,
     sse_stream,
@@ -66,7 +66,7 @@ class Chat:
 
     async def full(self, group: RequestGroup, req: ChatCompletionRequest) -> ChatCompletionResponse:
         (out,) = await group.final_outputs()
-        check_finished([out])
+        check_complete([out])
         choices = [
             ChatChoice(
                 index=c.index,

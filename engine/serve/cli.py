@@ -159,7 +159,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str], dict[str, s
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds SIGTERM waits for running requests before aborting them",
+        help="seconds SIGTERM drains (new requests get 503, running ones go on) before it "
+        "aborts what is left",
     )
     s.add_argument("--log-level", default="info", help="uvicorn log level")
     engine = _add_config_flags(p, EngineConfig, "engine", lambda name: name)

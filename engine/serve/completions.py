@@ -20,7 +20,7 @@ from engine.serve.serving import (
     APIError,
     Delta,
     Deltas,
-    check_finished,
+    check_complete,
     sampling_params,
     sse,
     sse_stream,
@@ -58,7 +58,7 @@ class Completions:
 
     async def full(self, group: RequestGroup, params: SamplingParams) -> CompletionResponse:
         outputs = await group.final_outputs()
-        check_finished(outputs)
+        check_complete(outputs)
         choices = [
             self._choice(
                 i * params.n + c.index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason

@@ -100,6 +100,15 @@ def check_finished(outputs: list[RequestOutput]) -> None:
             raise APIError(500, message, "InternalServerError")
 
 
+def check_complete(outputs: list[RequestOutput]) -> None:
+    """A whole (non-streamed) answer: ``check_finished``, and a request the server aborted
+    (only a shutdown does, once its drain time is up) is a 503, not a completion cut short."""
+    check_finished(outputs)
+    if any(c.finish_reason == "abort" for out in outputs for c in out.outputs):
+        message = "the server shut down before the request finished; retry"
+        raise APIError(503, message, "ServiceUnavailableError", code="shutting_down")
+
+
 def usage(outputs: dict[str, RequestOutput]) -> Usage:
     prompt = sum(len(out.prompt_token_ids) for out in outputs.values())
     completion = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
