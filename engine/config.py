@@ -94,7 +94,8 @@ class SpeculativeConfig:
     disable_batch_size: int | None = None  # None: METHOD_DEFAULTS
     max_draft_skip: int | None = None  # None: METHOD_DEFAULTS
     # A draft model or head samples its drafts from q at temperature > 0 (verified by
-    # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts).
+    # min(1, p/q)); False drafts the argmax instead (verified as deterministic drafts), as
+    # it always does for a seeded request (whose tokens then do not depend on the drafts).
     sample_drafts: bool = True
     min_draft_confidence: float | None = None  # None: METHOD_DEFAULTS
     draft_leaves: int | None = None  # None: METHOD_DEFAULTS

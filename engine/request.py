@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import derive_seed
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_state import DraftState
 from scheduler import Sequence
@@ -61,14 +60,6 @@ class SampleState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def draft_seed(self) -> int | None:
-        """What a drafter seeds this sample's drafts with: the request's seed, mixed with the
-        sample's index for i > 0 (drafters seed by (seed, position), and n samples sharing one
-        seed would share their drafts wherever their histories meet)."""
-        seed = self.request.params.seed
-        return seed if seed is None or self.index == 0 else derive_seed(seed, self.index)
 
 
 @dataclass

@@ -174,9 +174,7 @@ def test_leaves_only_at_batch_one_and_eagle_off_from_its_own_batch_size():
 class _Seq:
     def __init__(self, outputs: int, length: int, seq_id: int = 0) -> None:
         self.seq_id, self.num_output_tokens, self.length = seq_id, outputs, length
-        self.owner = SimpleNamespace(
-            request=SimpleNamespace(params=PARAMS), draft=DraftState(), draft_seed=None
-        )
+        self.owner = SimpleNamespace(request=SimpleNamespace(params=PARAMS), draft=DraftState())
 
     def __len__(self) -> int:
         return self.length

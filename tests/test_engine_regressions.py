@@ -110,19 +110,19 @@ def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
         assert torch.equal(step_sampler._gather_rows(logits, jobs(*spec)), logits[rows])
 
 
-def test_seeded_samples_of_one_request_draw_independent_drafts(tiny_llama):
-    """n = 2 seeded samples, the target drafting for itself (p = q: every draft is accepted, so
-    a sample's drafts are its tokens). Drafting from one seed, the two samples agreed on tokens
-    2-5 wherever their first tokens agreed (19 pairs of 19); drawn independently they may not."""
+def test_seeded_samples_of_one_request_are_those_of_a_run_without_speculation(tiny_llama):
+    """n = 2 seeded samples with a draft model: each sample's tokens are its own seeded
+    samples (drafted from one seed, the two once agreed on tokens 2-5 wherever their first
+    tokens agreed), the same as without speculation."""
     draft = {"method": "draft", "draft_model": tiny_llama, "num_speculative_tokens": 4,
              "max_draft_skip": 0, "disable_batch_size": 1000}  # fmt: skip
-    llm = LLM(tiny_llama, num_kv_blocks=256, speculative_config=draft)
     params = [SamplingParams(n=2, temperature=1.0, top_k=2, seed=seed, max_tokens=6,
-                             ignore_eos=True) for seed in range(40)]  # fmt: skip
-    outs = llm.generate(["one two three"] * 40, params, use_tqdm=False)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_accepted_tokens == stats.num_draft_tokens > 100
-    pairs = [(o.outputs[0].token_ids, o.outputs[1].token_ids) for o in outs]
-    meeting = [(a, b) for a, b in pairs if a[0] == b[0]]
-    assert len(meeting) >= 10
-    assert sum(a[1:5] == b[1:5] for a, b in meeting) <= len(meeting) // 4
+                             ignore_eos=True) for seed in range(20)]  # fmt: skip
+    runs = []
+    for spec in (None, draft):
+        llm = LLM(tiny_llama, num_kv_blocks=256, speculative_config=spec)
+        outs = llm.generate(["one two three"] * 20, params, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
+    assert llm.llm_engine.get_stats().num_accepted_tokens > 20
+    assert runs[1] == runs[0]
+    assert sum(a[1:5] != b[1:5] for a, b in runs[0]) >= 5  # the samples are independent

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import build_random_llama, build_tiny_llama
+from conftest import build_random_eagle_head, build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams, SpeculativeConfig
@@ -277,18 +277,25 @@ def test_seeded_sampling_with_ngram_speculation_equals_seeded_plain_sampling(sha
     assert_some_accepted_some_rejected(llm)
 
 
-def test_seeded_sampled_drafts_do_not_depend_on_the_batch(sharp):
-    """A draft model samples its drafts at temperature > 0 (verified by min(1, p/q)): a seeded
-    request's tokens then depend on what was drafted, but not on what shares its batch."""
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
+def test_a_seeded_request_is_reproducible_under_every_proposer(sharp, method, tmp_path):
+    """A seeded request gives the tokens of a run without speculation, alone, repeated (a
+    prefix-cache hit, which changes what EAGLE drafts) and in a batch where speculation is off:
+    a draft model or head drafts the argmax for it (sampled drafts would make its tokens
+    depend on what was drafted)."""
     target, draft = sharp
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
-    spec = {**draft_spec(draft), "disable_batch_size": 64}
-    alone = generate(LLM(target, num_kv_blocks=64, speculative_config=spec), PROMPTS[:1], params)
-    llm = LLM(target, num_kv_blocks=64, speculative_config=spec)
-    busy = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 4
-    outs = llm.generate(PROMPTS, [params, *busy], use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == alone[0]
-    assert_some_accepted_some_rejected(llm)
+    params = SamplingParams(temperature=0.8, seed=42, max_tokens=30, ignore_eos=True)
+    plain = generate(LLM(target, num_kv_blocks=64), PROMPTS[:1], params)[0]
+    head = {"method": "eagle", "num_speculative_tokens": 4, "max_draft_skip": 0,
+            "draft_model": build_random_eagle_head(tmp_path / "head", target, 300)}  # fmt: skip
+    spec = {"ngram": NGRAM, "draft": draft_spec(draft), "eagle": head}[method]
+    llm = LLM(target, num_kv_blocks=64, speculative_config=spec | {"disable_batch_size": 4})
+    assert generate(llm, PROMPTS[:1], params)[0] == plain
+    assert generate(llm, PROMPTS[:1], params)[0] == plain  # its prompt is cached now
+    noise = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    busy = llm.generate(PROMPTS, [params, *[noise] * 4], use_tqdm=False)  # 5: speculation off
+    assert busy[0].outputs[0].token_ids == plain
+    assert llm.llm_engine.get_stats().num_draft_tokens > 0
 
 
 def test_stop_inside_an_accepted_run_is_cut_exactly(tiny_llama, plain):
@@ -393,7 +400,7 @@ def test_seeded_sampling_is_the_same_with_or_without_speculation_in_any_batch(ti
 def test_sampled_drafts_from_a_draft_equal_to_the_target_are_all_accepted(tiny_llama):
     """At temperature > 0 a draft model samples from q and verification accepts with
     min(1, p/q): with q = p every draft passes (greedy drafts would pass only with p(argmax))."""
-    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True, seed=3)
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True)
     rates = {}
     for sample in (True, False):
         spec = {**draft_spec(tiny_llama, k=4), "disable_batch_size": 64, "sample_drafts": sample}

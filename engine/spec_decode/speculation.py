@@ -183,12 +183,11 @@ class Speculation(NoSpeculation):
 
 
 def _draft_params(record: SampleState, config: SpeculativeConfig):
-    """What a drafter samples a sequence's drafts with: its request's params, seeded for its
-    sample (``SampleState.draft_seed``); the argmax where ``sample_drafts`` is off."""
+    """What a drafter drafts a sequence with: its request's params, at temperature 0 (the
+    argmax) where ``sample_drafts`` is off or the request is seeded. A seeded request's tokens
+    are then its per-position seeded samples, exactly those of a run without speculation,
+    whatever was drafted (the prefix cache, the batch or backoff change the drafts)."""
     params = record.request.params
-    seed = record.draft_seed
-    if seed != params.seed:
-        params = dataclasses.replace(params, seed=seed)
-    if not config.sample_drafts and params.temperature:
+    if params.temperature and (params.seed is not None or not config.sample_drafts):
         params = dataclasses.replace(params, temperature=0.0)
     return params
