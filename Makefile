@@ -53,7 +53,7 @@ bench-peers: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install $(LLAMA_CPP)
 	$(PY) -m benchmarks.run_all --peers-only
 
-# .whl/: the Python 3.12 wheels benchmarks/gpu_check.sh installs on a bare GPU machine (README).
+# .whl/: the Python 3.12 wheels benchmarks/gpu_check.sh installs on a bare GPU machine (docs/gpu.md).
 gpu-wheels: setup
 	$(PY) -m benchmarks.gpu_wheels --dest .whl
 
