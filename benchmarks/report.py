@@ -35,6 +35,10 @@ HOST_SPEEDUPS = ((256, "off", 2.5), (64, "ngram", 2.0), (1, "off", 0.95), (1, "n
                  (1, "eagle", 0.95))  # fmt: skip
 HOST_PHASES = {"schedule": "schedule", "draft": "draft", "prepare": "prepare inputs",
                "sample": "sample/verify", "commit": "commit + outputs"}  # fmt: skip
+# Issue 51, a CPU shared with one busy process (benchmarks.contention): pagedspec's contended /
+# quiet generated tokens/s at these batch sizes at least this, and its quiet tokens/s no worse
+# than with its threads fixed (as SPEC_LARGE_BATCH: within the noise of a run).
+CONTENTION_BATCHES, CONTENTION_RATIO, CONTENTION_QUIET = (1, 16), 0.5, 0.95
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
     "eagle-k4-wide": "eagle, chains of k, one leaf more",
@@ -392,6 +396,25 @@ def _tree(name: str, tree: dict) -> str:
     return f"{name} ({tree['commit']}{changed})"
 
 
+def render_contention(p: dict) -> list[str]:
+    cfg = p["config"]
+    notes = [
+        *_machine(p),
+        f"- the default model, greedy, EOS ignored; per batch size B, B random prompts of "
+        f"{cfg['input_len']} tokens (seed {cfg['seed']}) making {cfg['output_len']} each, "
+        "submitted at once; "
+        f"contended: with `{cfg['busy_process']}` running beside it; the median of "
+        f"{cfg['rounds']} rounds (quiet, then contended, each after a warm-up run)",
+        f"- pagedspec: threads from the load (`engine.cpu_threads`, at most {cfg['cpu_limit']}); "
+        f"pagedspec-fixed: {cfg['cpu_limit']} threads whatever else runs"
+        + (f"; llama.cpp: not run ({p['llamacpp_skipped']})" if p["llamacpp_skipped"] else ""),
+    ]
+    columns = "B={batch_size} | system={system} | quiet tok/s={quiet_tokens_per_s:.1f} | "
+    columns += "contended tok/s={contended_tokens_per_s:.1f} | contended / quiet="
+    columns += "{contended_vs_quiet:.2fx}"
+    return _section("A CPU shared with a busy process", notes, columns, p["results"])
+
+
 def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
     rows = [{"on": "on" if r["prefix_caching"] else "off", "r": r} for r in p["results"]]
@@ -559,7 +582,7 @@ def render_run_all(p: dict) -> list[str]:
 
 # benchmark name: its renderer, in the page's order.
 NAMES = ("throughput", "accuracy", "latency", "spec_decode", "host_overhead", "serving", "soak",
-         "memory", "block_manager", "linear", "kernels", "run_all")  # fmt: skip
+         "memory", "contention", "block_manager", "linear", "kernels", "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -617,6 +640,8 @@ def targets(p: dict) -> list[dict]:
         found += _serving_targets(p["systems"])
     if p["benchmark"] == "host_overhead":
         found += _host_overhead_targets(p)
+    if p["benchmark"] == "contention":
+        found += _contention_targets(p["results"])
     if p["benchmark"] == "memory":
         fp32 = [r for r in p["results"] if r["precision"] == "fp32"]
         name = "make demo: peak resident memory, fp32"
@@ -668,6 +693,21 @@ def _host_overhead_targets(p: dict) -> list[tuple]:
         if (b, method) in rows:
             name = f"host overhead, batch {b}, {method}: step vs {baseline}"
             found.append((name, rows[b, method]["speedup"], least))
+    return found
+
+
+def _contention_targets(results: list[dict]) -> list[tuple]:
+    rows, found = {(r["batch_size"], r["system"]): r for r in results}, []
+    for b in CONTENTION_BATCHES:
+        if (b, "pagedspec") not in rows:
+            continue
+        ours = rows[b, "pagedspec"]
+        name = f"shared CPU, batch {b}: pagedspec contended / quiet"
+        found.append((name, ours["contended_vs_quiet"], CONTENTION_RATIO))
+        if (b, "pagedspec-fixed") in rows:
+            quiet = ours["quiet_tokens_per_s"] / rows[b, "pagedspec-fixed"]["quiet_tokens_per_s"]
+            found.append((f"shared CPU, batch {b}: quiet, pagedspec / fixed threads", quiet,
+                          CONTENTION_QUIET))  # fmt: skip
     return found
 
 

@@ -1,8 +1,8 @@
 """``make bench``: every benchmark at CPU size (about 50 minutes on 2 cores: EAGLE ~3-4 of them,
-the serving benchmark ~12 (its peer is slow), the soak 10, sampled throughput 4 and the host
-overhead ~2 with its baseline commit's worktree), each in its own process writing to
-benchmarks/results, then RESULTS.md regenerated; run_all.json records each command, its exit
-status and wall time. The accuracy table takes ~2 minutes more (~10 with llama.cpp); where
+the serving benchmark ~12 (its peer is slow), the soak 10, sampled throughput 4, the host
+overhead ~2 with its baseline commit's worktree, the shared CPU ~2), each in its own process
+writing to benchmarks/results, then RESULTS.md regenerated; run_all.json records each command,
+its exit status and wall time. The accuracy table takes ~2 minutes more (~10 with llama.cpp); where
 llama_cpp imports (``make bench-peers``), llama.cpp also runs as a throughput peer at each
 precision the engine has (~4 minutes each).
 """
@@ -32,6 +32,7 @@ FULL = {
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",
     "memory": "memory",
+    "contention": "contention --rounds 3",
     "block_manager": "block_manager",
     "linear": "linear",
     "kernels": "kernels --spans 1,5,64 --iters 10",

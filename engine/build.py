@@ -11,6 +11,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 import kernels
 from engine.config import EngineConfig
+from engine.cpu_threads import ThreadGovernor, cpu_limit
 from engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
@@ -54,6 +55,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Rank 0's parts. With ``tensor_parallel_size`` > 1 the workers are started first and
     every model is this rank's shard; its runners mirror each call to the workers."""
     device = rank_device(config, 0)
+    if device.type == "cpu":  # (a tensor-parallel group divides these among its ranks)
+        torch.set_num_threads(config.num_threads or cpu_limit())
     if config.tensor_parallel_size == 1:
         return _build(config, device, None)
     spec = config.speculative_config
@@ -112,6 +115,8 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
             heads, *local.kv_caches[0], max_context, config.attention_backend, query_dtype=dtype,
             trees=index == 0 and spec is not None and spec.draft_leaves > 0,  # the target verifies
         )  # fmt: skip
+        if index == 0 and tp is None and device.type == "cpu" and config.num_threads is None:
+            local.threads = ThreadGovernor(torch.get_num_threads())
         if index == 0 and tp is None and uses_cuda_graphs(config, device):
             local.graphs = DecodeGraphs(
                 local,

@@ -182,6 +182,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # CUDA: decode steps replay graphs captured at start-up (engine.cuda_graphs) unless True.
     enforce_eager: bool = False
+    # CPU: the kernels' threads. None: the CPUs free to this process (affinity mask, cgroup
+    # quota), fewer while other processes keep some of them busy (engine.cpu_threads).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -191,6 +194,8 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -49,12 +49,16 @@ SPECULATIVE_OPTIONS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "draft_model": "draft_model",
 }
+NUM_THREADS_HELP = (
+    "CPU kernel threads (default: the CPUs free to this process, fewer while other processes "
+    "keep some busy)"
+)
 ENGINE_OPTIONS = {
     name: name
     for name in (
         "model", "dtype", "device", "load_format", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "num_kv_blocks", "block_size", "attention_backend", "seed",
-        "tensor_parallel_size", "quantization", "kv_cache_dtype",
+        "tensor_parallel_size", "quantization", "kv_cache_dtype", "num_threads",
     )
 }  # fmt: skip
 
@@ -121,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="split the model over this many ranks"
     )
+    g.add_argument("--num-threads", type=int, help=NUM_THREADS_HELP)
     s = p.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass")

@@ -21,6 +21,7 @@ from engine.spans import Index, PackedSpans, Span, pack_spans
 from memory import slot_of
 
 if TYPE_CHECKING:
+    from engine.cpu_threads import ThreadGovernor
     from engine.cuda_graphs import DecodeGraphs
 
 
@@ -39,6 +40,8 @@ class ModelRunner:
         self.device = device
         # Decode steps replayed as CUDA graphs (engine.cuda_graphs); None: always eager.
         self.graphs: DecodeGraphs | None = None
+        # Sets the CPU kernels' thread count from the load, checked per forward; None: fixed.
+        self.threads: ThreadGovernor | None = None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of whole blocks (the other KV copy the engine makes is ``move_kv``)."""
@@ -107,6 +110,8 @@ class ModelRunner:
         token) go to a model that reads them (a draft head), which computes only the rows that
         take logits: its hidden states are those rows'. Decode steps that ``graphs`` fit replay
         a captured graph: their logits are valid until the next forward."""
+        if self.threads is not None:
+            self.threads.tick()
         plain = features is None and not return_hidden and not hidden_layers
         if plain and self.graphs is not None and self.graphs.fits(spans):
             return self.graphs.run(spans)

@@ -9,6 +9,7 @@ import math
 import random
 import re
 import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 from benchmarks import (
     block_manager,
+    contention,
     eagle_sweep,
     host_overhead,
     kernels,
@@ -30,6 +32,7 @@ from benchmarks import (
     run_all,
     spec_decode,
     throughput,
+    workload,
 )
 from benchmarks.timing import percentile, run_engine, summarize, time_calls
 from benchmarks.workload import (
@@ -622,3 +625,38 @@ def test_memory_benchmark_measures_each_child_and_judges_the_demo_target(tiny_ll
         "passed"
     ]
     assert "## Memory: `make demo`" in report.render(tmp_path, tmp_path / "RESULTS.md")
+
+
+def test_contention_targets_judge_contended_over_quiet_and_quiet_over_fixed_threads():
+    runs = ((1, "pagedspec", 90, 60), (1, "pagedspec-fixed", 100, 20),
+            (16, "pagedspec", 700, 300), (16, "pagedspec-fixed", 700, 200))  # fmt: skip
+    rows = [{"batch_size": b, "system": s, "quiet_tokens_per_s": q, "contended_tokens_per_s": c,
+             "contended_vs_quiet": c / q} for b, s, q, c in runs]  # fmt: skip
+    verdicts = [(t["name"], round(t["value"], 3), t["passed"])
+                for t in report.targets({"benchmark": "contention", "results": rows})]  # fmt: skip
+    assert verdicts == [
+        ("shared CPU, batch 1: pagedspec contended / quiet", 0.667, True),
+        ("shared CPU, batch 1: quiet, pagedspec / fixed threads", 0.9, False),
+        ("shared CPU, batch 16: pagedspec contended / quiet", 0.429, False),
+        ("shared CPU, batch 16: quiet, pagedspec / fixed threads", 1.0, True),
+    ]
+
+
+def test_contention_runs_each_system_quiet_and_beside_a_busy_process(tiny_llama, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    marks = tmp_path / "busy"  # the stand-in busy process leaves a mark and sleeps
+    code = f"open({str(marks)!r}, 'a').write('.'); import time; time.sleep(30)"
+    monkeypatch.setattr(contention, "HOG", [sys.executable, "-c", code])
+    argv = ["--model", tiny_llama, "--batch-sizes", "1,2", "--output-len", "3", "--rounds", "1"]
+    args = contention.build_parser().parse_args([*argv, "--output-dir", str(tmp_path)])
+    payload = contention.run(args)
+    assert marks.read_text() == "." * len(payload["results"])  # one contended run each
+    systems = [(r["batch_size"], r["system"]) for r in payload["results"]]
+    expected = ["pagedspec", "pagedspec-fixed"] + ["llamacpp"] * (not payload["llamacpp_skipped"])
+    assert systems == [(b, s) for b in (1, 2) for s in expected]
+    for r in payload["results"]:
+        assert r["quiet_tokens_per_s"] > 0 and r["contended_tokens_per_s"] > 0
+        assert r["contended_vs_quiet"] == r["contended_tokens_per_s"] / r["quiet_tokens_per_s"]
+    workload.save(payload, tmp_path, "contention")
+    assert "## A CPU shared with a busy process" in report.render(tmp_path, tmp_path / "R.md")
+    assert_every_number_shown(payload, "contention.json")

@@ -18,6 +18,7 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.generate import (
+    NUM_THREADS_HELP,
     HelpFormatter,
     checked_engine_config,
     checked_speculative_config,
@@ -41,6 +42,7 @@ HELP = {
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "longest sequence (default: the model's context length)",
     "seed": "engine seed (unseeded requests)",
+    "num_threads": NUM_THREADS_HELP,
     "quantization": "weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
     "kv_cache_memory": "bytes for the KV cache when --num-kv-blocks is not given",
     "kv_cache_dtype": "KV cache dtype: auto (the model's), or float16/bfloat16 under a float32 "

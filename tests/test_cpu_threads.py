@@ -1,0 +1,120 @@
+"""The CPU kernels' thread count: the CPUs this process may use, less those others keep busy."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.cpu_threads import IDLE_S, INTERVAL_S, ThreadGovernor, cpu_limit, read_busy
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("files", "limit"),
+    [
+        ({}, CPUS),
+        ({"cpu.max": "max 100000\n"}, CPUS),
+        ({"cpu.max": "150000 100000\n"}, 1),  # 1.5 CPUs of quota: one thread
+        ({"cpu.max": "50000 100000\n"}, 1),  # never below one
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, CPUS),
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+    ],
+)
+def test_cpu_limit_is_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path, files, limit):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_limit(tmp_path) == limit
+
+
+def test_read_busy_counts_this_process_cpus_and_its_own_time(tmp_path):
+    tick = os.sysconf("SC_CLK_TCK")
+    mine = sorted(os.sched_getaffinity(0))
+    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+    lines = ["cpu  999 0 999 999 0 0 0 0"]
+    lines += [f"cpu{i} {tick} 0 {tick} 5000 700 0 0 0" for i in mine]
+    lines.append(f"cpu{max(mine) + 1} {100 * tick} 0 0 0 0 0 0 0")  # not ours: not counted
+    (tmp_path / "stat").write_text("\n".join(lines) + "\n")
+    (tmp_path / "self").mkdir()
+    own = ["S", *["0"] * 10, str(3 * tick), str(tick)]  # utime, stime are fields 14 and 15
+    (tmp_path / "self" / "stat").write_text(f"42 (a name) with spaces) {' '.join(own)}\n")
+    assert read_busy(tmp_path) == (2.0 * len(mine), 4.0)
+    assert read_busy(tmp_path / "missing") is None
+    real = read_busy()
+    assert real is not None and real[0] >= real[1] > 0
+
+
+class Fake:
+    """A clock and /proc readings: each ``advance`` adds ``others`` + ``own`` busy cores."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own, self.threads = 0.0, 0.0, 0.0, []
+
+    def advance(self, seconds: float, others: float, own: float) -> None:
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+    def governor(self, limit: int) -> ThreadGovernor:
+        return ThreadGovernor(limit, lambda: (self.busy, self.own), lambda: self.now,
+                              self.threads.append)  # fmt: skip
+
+
+def test_the_governor_gives_up_the_cores_other_processes_keep_busy():
+    fake = Fake()
+    governor = fake.governor(4)
+    assert fake.threads == [4]
+    fake.advance(INTERVAL_S / 2, others=3.0, own=1.0)
+    governor.tick()  # too soon: no reading yet
+    assert fake.threads == [4]
+    fake.advance(INTERVAL_S, others=1.6, own=2.4)
+    governor.tick()  # 4 - 1.6 = 2.4 free: 2
+    fake.advance(INTERVAL_S, others=0.4, own=2.0)
+    governor.tick()  # 3.6 free: 4
+    fake.advance(INTERVAL_S, others=0.5, own=3.5)
+    governor.tick()  # 3.5 free: 4 (rounded)
+    fake.advance(INTERVAL_S, others=9.0, own=1.0)
+    governor.tick()  # nothing free: still one
+    assert fake.threads == [4, 2, 4, 4, 1]
+    assert governor.threads == 1
+
+
+def test_the_governor_does_not_judge_by_the_load_while_it_was_idle():
+    fake = Fake()
+    governor = fake.governor(2)
+    fake.advance(INTERVAL_S, others=0.0, own=2.0)
+    governor.tick()
+    fake.advance(IDLE_S + 1, others=1.0, own=0.0)  # no forward while another process ran
+    governor.tick()  # a new interval starts here
+    fake.advance(INTERVAL_S, others=0.0, own=2.0)
+    governor.tick()
+    assert fake.threads == [2, 2, 2]
+
+
+def test_the_governor_keeps_its_count_when_proc_cannot_tell():
+    calls = []
+    now = [0.0]
+    governor = ThreadGovernor(2, lambda: None, lambda: now[0], calls.append)
+    now[0] = 10 * INTERVAL_S
+    governor.tick()
+    assert calls == [2] and governor.threads == 2
+
+
+def test_num_threads_fixes_the_count_and_the_default_follows_the_load(tiny_llama):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="num_threads must be an integer >= 1, got 0"):
+        EngineConfig(model=tiny_llama, num_threads=0)
+    before = torch.get_num_threads()
+    try:
+        fixed = LLM(tiny_llama, num_kv_blocks=16, num_threads=1)
+        assert torch.get_num_threads() == 1 and fixed.llm_engine.runner.threads is None
+        governed = LLM(tiny_llama, num_kv_blocks=16)
+        assert isinstance(governed.llm_engine.runner.threads, ThreadGovernor)
+        assert governed.llm_engine.runner.threads.limit == cpu_limit()
+    finally:
+        torch.set_num_threads(before)
