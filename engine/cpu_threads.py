@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 INTERVAL_S = 0.5
-IDLE_S = 2.0  # no forward for this long: the engine was idle, and the last reading is stale
+# No forward for this long: the engine waited (for requests, or while another process ran),
+# so the last reading is stale. (While forwards take longer than this, the count stays put.)
+IDLE_S = 0.25
 # The free cores are rounded (2 - 0.4 busy elsewhere: 2 threads; 2 - 0.6: 1): a thread with
 # half a core or less makes the others wait for it longer than its work would take them.
 SLACK = 0.5

@@ -65,9 +65,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Finish the request with "abort" now (its blocks are free when this returns); its
         final output comes with the next ``step``."""
-        if (
-            request := self.requests.get(request_id) if isinstance(request_id, str) else None
-        ) is None:
+        request = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if request is None:
             return False
         self._aborted.append(self._abort(request))
         return True
@@ -127,36 +126,36 @@ class LLMEngine:
     def _commit(self, round: Round, results: list[list[SampleResult]]) -> list[RequestOutput]:
         """Per sample (a finished prompt of n samples forks first): keep its tokens up to a
         stop, record the round, move the sequence; then the outputs of the requests that
-        progressed."""
-        progressed: dict[str, tuple[Request, bool]] = {}
-        append, spec_commit = self.outputs.append, self.spec.commit
+        progressed (a finished one has left ``self.requests``)."""
+        progressed: dict[str, Request] = {}
+        append, spec_commit, requests = self.outputs.append, self.spec.commit, self.requests
         update, finish = self.scheduler.update, self.scheduler.finish
         for i, (s, samples) in enumerate(zip(round.scheduled, results, strict=True)):
             if s.seq.status is FINISHED:  # its request was aborted earlier in this loop
                 continue
             record: SampleState = s.seq.owner
-            request, end = record.request, s.start + s.num_new_tokens
+            request = record.request
             try:  # a prompt chunk has no result; a finished prompt of n samples has n
                 records = self._fork(record, len(samples)) if len(samples) > 1 else (record,)
                 for sample, result in zip(records, samples or NO_RESULT, strict=True):
                     kept = append(sample, result.token_ids, result.logprobs)
-                    num_computed = end + max(len(kept) - 1, 0)  # accepted drafts' KV
+                    num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV
                     covered = spec_commit(round, i, sample, len(result.token_ids), kept)
                     cacheable = num_computed if covered is None else min(num_computed, covered)
                     update(sample.seq, num_computed, kept, cacheable)
                     if sample.finish_reason is not None:
                         finish(sample.seq)
-                finished = record.finish_reason is not None and request.finished
-                if finished:
-                    del self.requests[request.request_id]
+                done = record.finish_reason is not None and request.finished
+                if done:
+                    del requests[request.request_id]
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)
-                progressed[request.request_id] = request, True
+                progressed[request.request_id] = request
                 continue
-            if s.samples and (finished or request.params.output_kind is CUMULATIVE):
-                progressed[request.request_id] = request, finished
+            if s.samples and (done or request.params.output_kind is CUMULATIVE):
+                progressed[request.request_id] = request
         output = self.outputs.output
-        return [output(request, finished) for request, finished in progressed.values()]
+        return [output(r, r.request_id not in requests) for r in progressed.values()]
 
     def _fork(self, parent: SampleState, n: int) -> list[SampleState]:
         """A finished prompt and n - 1 forks of it sharing its blocks: its n samples."""

@@ -31,12 +31,15 @@ class ScheduledSequence:
 
     ``block_table`` is a snapshot taken after this step's slots were reserved: it covers
     ``start + num_new_tokens + num_lookahead_slots`` positions, so the model runner (and a draft
-    model) can address every slot of the step without asking the block manager. ``samples``:
-    the step reaches the end of the sequence, so it samples there. Built once per sequence per
-    step, so a plain class with slots (a frozen dataclass costs ~3x as much to make).
+    model) can address every slot of the step without asking the block manager. ``end``: one
+    past the last scheduled token's position; ``samples``: the step reaches the end of the
+    sequence, so it samples there. Built once per sequence per step, so a plain class with
+    slots (a frozen dataclass costs ~3x as much to make); nothing changes it once built.
     """
 
-    __slots__ = ("seq", "num_new_tokens", "num_lookahead_slots", "block_table", "start", "samples")
+    __slots__ = (
+        "seq", "num_new_tokens", "num_lookahead_slots", "block_table", "start", "end", "samples"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -50,12 +53,8 @@ class ScheduledSequence:
         self.num_lookahead_slots = num_lookahead_slots
         self.block_table = block_table
         self.start = start = seq.num_computed_tokens
-        self.samples = start + num_new_tokens == len(seq.token_ids)
-
-    @property
-    def end(self) -> int:
-        """One past the last scheduled token's position."""
-        return self.start + self.num_new_tokens
+        self.end = end = start + num_new_tokens
+        self.samples = end == len(seq.token_ids)
 
     def __repr__(self) -> str:
         return (

@@ -49,50 +49,49 @@ def test_read_busy_counts_this_process_cpus_and_its_own_time(tmp_path):
 
 
 class Fake:
-    """A clock and /proc readings: each ``advance`` adds ``others`` + ``own`` busy cores."""
+    """A clock and /proc readings, and a governor on them: ``run`` steps the engine (a forward
+    every STEP_S) while ``others`` + ``own`` cores are busy; ``wait`` passes time with no
+    forward."""
 
-    def __init__(self) -> None:
+    STEP_S = IDLE_S / 4  # a power-of-two fraction of a second: the clock adds up exactly
+
+    def __init__(self, limit: int) -> None:
         self.now, self.busy, self.own, self.threads = 0.0, 0.0, 0.0, []
+        self.governor = ThreadGovernor(limit, lambda: (self.busy, self.own), lambda: self.now,
+                                       self.threads.append)  # fmt: skip
 
-    def advance(self, seconds: float, others: float, own: float) -> None:
+    def wait(self, seconds: float, others: float) -> None:
         self.now += seconds
-        self.busy += seconds * (others + own)
-        self.own += seconds * own
+        self.busy += seconds * others
 
-    def governor(self, limit: int) -> ThreadGovernor:
-        return ThreadGovernor(limit, lambda: (self.busy, self.own), lambda: self.now,
-                              self.threads.append)  # fmt: skip
+    def run(self, seconds: float, others: float, own: float) -> None:
+        for _ in range(round(seconds / self.STEP_S)):
+            self.wait(self.STEP_S, others + own)
+            self.own += self.STEP_S * own
+            self.governor.tick()
 
 
 def test_the_governor_gives_up_the_cores_other_processes_keep_busy():
-    fake = Fake()
-    governor = fake.governor(4)
+    fake = Fake(4)
     assert fake.threads == [4]
-    fake.advance(INTERVAL_S / 2, others=3.0, own=1.0)
-    governor.tick()  # too soon: no reading yet
+    fake.run(INTERVAL_S / 2, others=1.6, own=2.4)  # too soon: no reading yet
     assert fake.threads == [4]
-    fake.advance(INTERVAL_S, others=1.6, own=2.4)
-    governor.tick()  # 4 - 1.6 = 2.4 free: 2
-    fake.advance(INTERVAL_S, others=0.4, own=2.0)
-    governor.tick()  # 3.6 free: 4
-    fake.advance(INTERVAL_S, others=0.5, own=3.5)
-    governor.tick()  # 3.5 free: 4 (rounded)
-    fake.advance(INTERVAL_S, others=9.0, own=1.0)
-    governor.tick()  # nothing free: still one
+    fake.run(INTERVAL_S / 2, others=1.6, own=2.4)  # 4 - 1.6 = 2.4 free: 2
+    fake.run(INTERVAL_S, others=0.4, own=2.0)  # 3.6 free: 4
+    fake.run(INTERVAL_S, others=0.5, own=3.5)  # 3.5 free: 4 (rounded)
+    fake.run(INTERVAL_S, others=9.0, own=1.0)  # nothing free: one
     assert fake.threads == [4, 2, 4, 4, 1]
-    assert governor.threads == 1
+    assert fake.governor.threads == 1
 
 
 def test_the_governor_does_not_judge_by_the_load_while_it_was_idle():
-    fake = Fake()
-    governor = fake.governor(2)
-    fake.advance(INTERVAL_S, others=0.0, own=2.0)
-    governor.tick()
-    fake.advance(IDLE_S + 1, others=1.0, own=0.0)  # no forward while another process ran
-    governor.tick()  # a new interval starts here
-    fake.advance(INTERVAL_S, others=0.0, own=2.0)
-    governor.tick()
-    assert fake.threads == [2, 2, 2]
+    fake = Fake(2)
+    fake.run(INTERVAL_S / 2, others=0.0, own=2.0)
+    fake.wait(IDLE_S * 2, others=2.0)  # no forward while another process ran
+    fake.run(INTERVAL_S / 2, others=0.0, own=2.0)  # a new interval started: no reading yet
+    assert fake.threads == [2]
+    fake.run(INTERVAL_S, others=0.0, own=2.0)
+    assert fake.threads == [2, 2]
 
 
 def test_the_governor_keeps_its_count_when_proc_cannot_tell():

@@ -118,20 +118,25 @@ def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]]
     none and no draft tree: each row's argmax, the drafts matched against it, in one pass
     (no sampling jobs); None where some span needs more (a fork, sampling, penalties,
     min_tokens, logprobs)."""
-    drafts = round.proposal.drafts
-    starts, chains, owners, row = [], [], [], 0
+    starts, owners, row = [], [], 0
     for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
         if not span.num_logits:
             continue
-        outputs = len(s.seq.token_ids) - s.seq.num_prompt_tokens
-        if not outputs or not plain_greedy(s.seq.owner.request.params, outputs):
+        seq = s.seq
+        outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        if not outputs or not plain_greedy(seq.owner.request.params, outputs):
             return None
         starts.append(row)
-        chains.append(drafts[i] if drafts else ())
         owners.append(i)
         row += span.num_logits
     samples = argmax_rows(logits[:row]).tolist()
-    emitted = verify_deterministic_drafts(samples, chains, starts)
+    drafts = round.proposal.drafts
+    if drafts:
+        emitted = verify_deterministic_drafts(samples, [drafts[i] for i in owners], starts)
+    else:  # one row per span: its sample
+        emitted = [[token] for token in samples]
+    if len(owners) == len(round.scheduled):  # every span samples: no grouping to do
+        return [[SampleResult(e, None)] for e in emitted]
     return by_owner(len(round.scheduled), owners, [SampleResult(e, None) for e in emitted])
 
 
