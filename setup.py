@@ -23,6 +23,7 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus_client",
+        "llguidance>=1.9",  # structured outputs (engine/grammar.py)
     ],
     extras_require={
         "dev": ["pytest", "hypothesis", "ruff", "accelerate", "openai", "httpx"],

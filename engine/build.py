@@ -15,6 +15,7 @@ from engine.cpu_threads import ThreadGovernor, cpu_limit
 from engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
+from engine.grammar import Grammars
 from engine.model_loader import load_model_config, model_kv_shape
 from engine.model_runner import ModelRunner
 from engine.model_set import kv_cache_dtype, load_model_set, make_runner, rank_device
@@ -145,6 +146,9 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     step_sampler = StepSampler(Sampler(config.seed, device), eos_token_ids)
+    grammars = None
+    if target.tokenizer is not None:
+        grammars = Grammars(target.tokenizer, vocab_size, eos_token_ids)
     target_runner = runner(target.model, target.config, 0)
     speculation = (
         NoSpeculation(step_sampler)
@@ -162,13 +166,14 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
             num_blocks,
             config.block_size,
             0 if spec is None else spec.num_speculative_tokens,
+            grammars,
         ),
         block_manager=block_manager,
         scheduler=Scheduler(scheduler_config, block_manager),
         runner=target_runner,
         spec=speculation,
         step_sampler=step_sampler,
-        output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len),
+        output_processor=OutputProcessor(target.tokenizer, eos_token_ids, max_model_len, grammars),
         tp=tp,
     )
 

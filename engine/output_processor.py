@@ -12,6 +12,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import Grammars, consume
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, SampleState
 from scheduler import Sequence
@@ -23,10 +24,12 @@ class OutputProcessor:
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: set[int],
         max_model_len: int,
+        grammars: Grammars | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None for a config-only model: token ids, no text
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def new_sample(
         self, request: Request, seq: Sequence, index: int, parent: SampleState | None = None
@@ -38,7 +41,14 @@ class OutputProcessor:
             else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         )
         draft = None if parent is None else parent.draft.fork()
-        sample = SampleState(request, index, seq, detokenizer, draft)
+        grammar = None
+        if request.params.structured_outputs is not None:
+            grammar = (
+                self.grammars.matcher(request.params.structured_outputs)
+                if parent is None
+                else parent.grammar.deep_copy()
+            )
+        sample = SampleState(request, index, seq, detokenizer, draft, grammar)
         request.samples.append(sample)
         return sample
 
@@ -77,7 +87,10 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 if detokenizer and not isinstance(sample.stop_reason, str):
                     sample.text += detokenizer.flush()  # held for an unfinished char
-                return token_ids[: j + 1]
+                token_ids = token_ids[: j + 1]
+                break
+        if sample.grammar is not None:
+            consume(sample.grammar, token_ids)
         return token_ids
 
     @staticmethod

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar import Grammars
 from engine.sampling_params import SamplingParams
 
 # One prompt: text, token ids (ints or numpy integers, in a list, a tuple or a 1-D array or
@@ -39,6 +40,7 @@ class Processor:
     num_kv_blocks: int
     block_size: int
     num_lookahead_slots: int  # slots a decode may reserve for drafts
+    grammars: Grammars | None = None  # None: no tokenizer, no structured outputs
 
     def process(
         self,
@@ -94,6 +96,10 @@ class Processor:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a model with a tokenizer")
+            self.grammars.matcher(params.structured_outputs)  # compiles it once, or refuses it
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Reject what could never run: one sequence needing more KV blocks than exist."""

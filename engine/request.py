@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class SampleState:
         "stop_reason",
         "logprobs",
         "draft",
+        "grammar",
     )
 
     def __init__(
@@ -39,6 +41,7 @@ class SampleState:
         seq: Sequence,
         detokenizer: IncrementalDetokenizer | None,
         draft: DraftState | None = None,
+        grammar: Any = None,
     ) -> None:
         self.request = request
         self.index = index
@@ -51,6 +54,8 @@ class SampleState:
             [] if request.params.logprobs is not None else None
         )
         self.draft = DraftState() if draft is None else draft
+        # llguidance's matcher at the committed tokens (engine.grammar); None: unconstrained
+        self.grammar = grammar
         seq.owner = self
 
     @property

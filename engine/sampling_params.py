@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.structured_params import StructuredOutputsParams, as_structured
+
 
 class RequestOutputKind(enum.IntEnum):
     """Which outputs ``LLMEngine.step`` returns for a request (vLLM's names and values)."""
@@ -37,6 +39,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this (engine.grammar): masked before penalties, temperature,
+    # top-k/p and min-p; logprobs stay those of the raw logits.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
@@ -104,6 +109,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.structured_outputs = as_structured(self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = [kind.name for kind in RequestOutputKind]
             raise ValueError(

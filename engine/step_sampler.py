@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from engine.grammar import span_masks
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import (
     Sampler,
@@ -41,6 +42,7 @@ class SampleJob(NamedTuple):
     row: int  # its first row in the step's logits: 1 + len(drafts) rows are its own
     drafts: Sequence[int] = ()
     draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
+    grammar: Any = None  # the sample's matcher at its committed tokens (engine.grammar)
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +65,7 @@ class StepSampler:
             return []
         starts = _starts(jobs)
         raw = _gather_rows(logits, jobs)
-        rows = self._mask_min_tokens(raw, jobs)
+        rows = _mask_grammar(self._mask_min_tokens(raw, jobs), raw, jobs, starts)
         sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
         if not sampled:
             tokens = self._sample_and_match(rows, jobs, starts)
@@ -192,7 +194,8 @@ class StepSampler:
 
 def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
     """A greedy row with nothing that changes its argmax or asks for more (penalties,
-    min_tokens not yet reached, logprobs): its token is the row's argmax, and only that."""
+    min_tokens not yet reached, a constraint, logprobs): its token is the row's argmax, and
+    only that."""
     return not (
         params.temperature
         or params.logprobs is not None
@@ -200,7 +203,22 @@ def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
         or params.presence_penalty
         or params.frequency_penalty
         or params.repetition_penalty != 1.0
+        or params.structured_outputs is not None
     )
+
+
+def _mask_grammar(
+    rows: torch.Tensor, raw: torch.Tensor, jobs: list[SampleJob], starts: list[int]
+) -> torch.Tensor:
+    """Each constrained job's rows with what its grammar refuses at -inf (row j: after
+    drafts[:j]); a copy where ``rows`` is still ``raw``, whose logprobs are reported."""
+    for job, start in zip(jobs, starts, strict=True):
+        if job.grammar is None:
+            continue
+        rows = rows.clone() if rows is raw else rows
+        refused = ~span_masks(job.grammar, job.drafts, rows.shape[-1]).to(rows.device)
+        rows[start : start + job.num_rows].masked_fill_(refused, float("-inf"))
+    return rows
 
 
 def _starts(jobs: list[SampleJob]) -> list[int]:

@@ -73,7 +73,9 @@ def test_xformers_has_no_tree_masks_so_eagle_verifies_chains_there():
 
 
 def _scheduled(n: int) -> list:
-    seqs = [SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2) for i in range(n)]
+    owner = SimpleNamespace(grammar=None)  # unconstrained
+    seqs = [SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2, owner=owner)
+            for i in range(n)]  # fmt: skip
     return [SimpleNamespace(seq=s, start=2, block_table=[0]) for s in seqs]
 
 
@@ -90,7 +92,7 @@ def _draft_by_depth(scheduled, ks, leaves, leaf_slots):
         calls.append(owners)
         return torch.tensor(DEPTH_PROBS[len(calls) - 1]).log().expand(len(spans), 5).clone()
 
-    def draw(rows_logits, rows):
+    def draw(rows_logits, rows, grammars):
         return rows_logits.argmax(-1).tolist(), None
 
     def alternatives(probs, count, drawn):
@@ -174,7 +176,9 @@ def test_leaves_only_at_batch_one_and_eagle_off_from_its_own_batch_size():
 class _Seq:
     def __init__(self, outputs: int, length: int, seq_id: int = 0) -> None:
         self.seq_id, self.num_output_tokens, self.length = seq_id, outputs, length
-        self.owner = SimpleNamespace(request=SimpleNamespace(params=PARAMS), draft=DraftState())
+        self.owner = SimpleNamespace(
+            request=SimpleNamespace(params=PARAMS), draft=DraftState(), grammar=None
+        )
 
     def __len__(self) -> int:
         return self.length

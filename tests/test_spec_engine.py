@@ -192,14 +192,16 @@ def test_the_chain_stop_ends_greedy_and_sampled_chains_alike():
     def forward(spans, owners):
         return top.expand(len(spans), 3).clone()
 
-    def draw(logits, rows):
+    def draw(logits, rows, grammars):
         return [0] * len(rows), logits.softmax(-1)
 
     def chain_lengths(stop: float, ks: list[int]) -> list[int]:
+        unconstrained = SimpleNamespace(grammar=None)
         seq = [
-            SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2)
+            SimpleNamespace(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2,
+                            owner=unconstrained)
             for i in range(len(ks))
-        ]
+        ]  # fmt: skip
         scheduled = [SimpleNamespace(seq=s, start=2, block_table=[0]) for s in seq]
         spans = [Span([3], 2, 1, [0]) for _ in scheduled]
         written = {s.seq_id: (3, []) for s in seq}

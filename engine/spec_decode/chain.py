@@ -4,10 +4,13 @@ a draft tree's leaves where their paths are likeliest."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from engine.grammar import allowed
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs, seeded_generator
 from engine.sampling_params import SamplingParams
@@ -21,6 +24,7 @@ def draw_drafts(
     rows: list[tuple[TokenHistory, int]],
     generator: torch.Generator,
     token_map: torch.Tensor | None = None,
+    grammars: list[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft id per row of a draft model's logits, with q (its distribution processed like
     the target's: penalties, temperature, top-k, top-p, min-p): the argmax for greedy requests,
@@ -29,11 +33,21 @@ def draw_drafts(
     ``rows[i]`` = (the request's params and the tokens the draft follows, the draft's
     position); a seeded request draws from a generator of its own, seeded by (seed, position),
     so its drafts do not depend on the batch; the others share ``generator``.
-    ``token_map``: the target id of each logit column (a reduced draft vocabulary)."""
+    ``token_map``: the target id of each logit column (a reduced draft vocabulary).
+    ``grammars[i]``: row i's matcher, standing after the drafts before it (None: unconstrained);
+    a row draws from the tokens it allows (all of them where none is in the draft's
+    vocabulary: that draft is then refused by the target's mask)."""
     params = [h.params for h, _ in rows]
     # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
     # it too keeps the drafts close to what the target will accept
     penalised = apply_penalties(logits, [h for h, _ in rows], token_map)
+    for i, grammar in enumerate(grammars or ()):
+        if grammar is not None:
+            ok = allowed(grammar)
+            ok = ok[token_map] if token_map is not None else ok[: logits.shape[-1]]
+            if ok.any():
+                penalised = penalised.clone() if penalised is logits else penalised
+                penalised[i].masked_fill_(~ok.to(logits.device), float("-inf"))
     if all(p.greedy for p in params):  # the argmax of the one-hot q, lowest id on ties
         return penalised.argmax(-1), None
     batch = SamplingBatch.from_params(
@@ -52,8 +66,9 @@ def draw_drafts(
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
+# (logits, rows, each row's matcher or None) -> (drafts, q): draw_drafts on a drafter's logits
 Draw = Callable[
-    [torch.Tensor, list[tuple[TokenHistory, int]]], tuple[list[int], torch.Tensor | None]
+    [torch.Tensor, list[tuple[TokenHistory, int]], list[Any]], tuple[list[int], torch.Tensor | None]
 ]
 # (rows of probabilities, how many, each row's draft): that many more of each row's top tokens,
 # as (token, probability)
@@ -94,13 +109,19 @@ def chain_drafts(
     confidence = [1.0] * len(scheduled)  # the chain's path: its top-1 probabilities' product
     active = [i for i, k in enumerate(ks) if k]
     stop = {i: chain_stop for i in active}
+    # a copy of a constrained sequence's matcher, advanced along its drafts as they are drawn;
+    # a draft it refuses ends that chain
+    grammars = [
+        None if not k or (g := s.seq.owner.grammar) is None else g.deep_copy()
+        for s, k in zip(scheduled, ks, strict=True)
+    ]
     with_leaves = bool(leaves) and alternatives is not None and leaf_slots is not None
     logits = forward(spans, list(range(len(spans))))
     step = 0
     while active:
         rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
                 for i in active]  # fmt: skip
-        tokens, q = draw(logits, rows)
+        tokens, q = draw(logits, rows, [grammars[i] for i in active])
         if with_leaves or any(stop[i] > 0 for i in active):
             head_probs = torch.softmax(logits.float(), -1)
             if with_leaves:
@@ -115,6 +136,12 @@ def chain_drafts(
             drafts[i].append(tokens[j])
             if q is not None:  # None: every row greedy, and greedy drafts keep no q
                 probs[i].append(q[j])
+            if grammars[i] is None:
+                continue
+            if not (
+                grammars[i].validate_tokens([tokens[j]]) and grammars[i].consume_token(tokens[j])
+            ):
+                stop[i] = math.inf
         active = [i for i in active if len(drafts[i]) < ks[i] and confidence[i] >= stop[i]]
         if not active:
             break

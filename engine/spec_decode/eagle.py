@@ -164,12 +164,12 @@ class EagleProposer:
         return out
 
     def _draw(
-        self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]]
+        self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]], grammars: list
     ) -> tuple[list[int], torch.Tensor | None]:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
         (zero outside the draft vocabulary); None when every row is greedy."""
         d2t = self.head.d2t
-        ids, q_draft = draw_drafts(logits, rows, self.generator, d2t)
+        ids, q_draft = draw_drafts(logits, rows, self.generator, d2t, grammars)
         if q_draft is None:
             return d2t[ids].tolist(), None
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)

@@ -169,8 +169,8 @@ class DraftModelProposer:
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
             return self.runner.forward(spans)
 
-        def draw(logits, rows):
-            ids, q = draw_drafts(logits, rows, self.generator)
+        def draw(logits, rows, grammars):
+            ids, q = draw_drafts(logits, rows, self.generator, grammars=grammars)
             return ids.tolist(), q
 
         drafts, sampled, _ = chain_drafts(

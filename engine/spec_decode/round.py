@@ -84,7 +84,8 @@ class NoSpeculation:
             params, outputs = record.request.params, len(s.seq.token_ids) - s.seq.num_prompt_tokens
             # (a finished prompt feeds all n samples at once)
             for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row))
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row,
+                                      grammar=record.grammar))  # fmt: skip
                 owners.append(i)
             row += span.num_logits
         return by_owner(len(round.scheduled), owners, self.sampler(output, jobs))

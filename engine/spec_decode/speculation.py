@@ -107,7 +107,10 @@ class Speculation(NoSpeculation):
         ]
         if not self.config.draft_leaves:
             return self.proposer.propose(scheduled, ks, params)
-        leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
+        leaf_slots = [  # none for a constrained sequence (its chain's masks only)
+            0 if s.seq.owner.grammar is not None else n - k
+            for s, n, k in zip(scheduled, slots, ks, strict=True)
+        ]
         return self.proposer.propose(scheduled, ks, params, leaf_slots)
 
     # --- after the forward ----------------------------------------------------------------
@@ -136,7 +139,8 @@ class Speculation(NoSpeculation):
                 drafts = drafts[: tree.chain]
             first_rows[i] = row
             for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q))
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q,
+                                      record.grammar))  # fmt: skip
                 owners.append(i)
             row += span.num_logits
         results = by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
