@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, EngineStats, RequestOutput
     from engine.sampling_params import RequestOutputKind, SamplingParams
+    from engine.structured_params import StructuredOutputsParams
 
 _MODULES = {
     "LLM": "engine.llm",
@@ -26,6 +27,7 @@ _MODULES = {
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
     "SpeculativeConfig": "engine.config",
+    "StructuredOutputsParams": "engine.structured_params",
 }
 __all__ = [
     "LLM",
@@ -37,6 +39,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
 ]
 
 

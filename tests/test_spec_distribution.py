@@ -9,6 +9,10 @@ bonus tokens). With speculation off the same test is a control of the test itsel
 The penalised cases make row j of a verification span depend on the drafts before it (they
 count as generated tokens there): a verifier that counted only the committed tokens would give
 a p that no plain decode samples from, and fails them.
+
+The constrained cases (a regex, structured outputs) compare against the masked target's law:
+they fail with a verifier that masks only the first row of a span (not the rows after each
+draft) and with a drafter that samples from its masked q but reports the unmasked one.
 """
 
 from __future__ import annotations
@@ -180,3 +184,85 @@ def test_speculative_sampling_follows_the_target_joint_law(
     # all four jointly: verification must also condition correctly on token 0
     stat, threshold, df = chi_square_test(counts, law, P_VALUE)
     assert stat < threshold, f"tokens 0..3: chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"
+
+
+# --- structured outputs: the law of the masked target ---------------------------------------
+# Token i < 7 is the letter "abcdefg"[i], 7 is EOS. The regex takes pairs whose second letter
+# depends on the first, three pairs or more: EOS is refused in the first four tokens, and the
+# mask of every odd position depends on the token before it (drafted or not).
+PAIRS = {0: (1, 2), 1: (0, 3), 2: (0, 1), 3: (2, 3)}  # a: ab ac, b: ba bd, c: ca cb, d: dc dd
+REGEX = "(" + "|".join(f"{'abcd'[a]}[{''.join('abcd'[b] for b in bs)}]" for a, bs in PAIRS.items())
+REGEX += "){3,}"
+PROMPT_LETTERS = [0, 1, 2, 0, 0, 1, 2, 0, 3, 3]  # ab ca ab ca dd: n-gram lookup finds drafts
+
+
+def allowed_after(prefix: list[int]) -> list[int]:
+    """(A prefix REGEX refuses has probability 0: what follows it is left unmasked.)"""
+    return list(PAIRS) if len(prefix) % 2 == 0 else list(PAIRS.get(prefix[-1], range(VOCAB)))
+
+
+@pytest.fixture(scope="module")
+def lettered(tmp_path_factory, target) -> str:
+    """The target's weights with a tokenizer of letters (EOS 7): what a constraint needs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("dist_lettered")
+    model = LlamaForCausalLM.from_pretrained(target)
+    model.config.eos_token_id, model.config.bos_token_id = 7, None
+    model.save_pretrained(path)
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate("abcdefg")} | {"</s>": 7},
+                               merges=[]))  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def exact_masked_joint(target):
+    """temperature -> float64 [V, V, V, V]: the law of output tokens 0..3 when each is drawn
+    from the target's softmax over the tokens REGEX allows after the ones before it."""
+    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=MAX_TOKENS - 1)))
+    ids = torch.cat([torch.tensor(PROMPT_LETTERS).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT_LETTERS) - 1 :]  # [V^3, 4, V]
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    for n, prefix in enumerate(prefixes.tolist()):
+        for i in range(MAX_TOKENS):
+            allowed[n, i, allowed_after(prefix[:i])] = True
+
+    def joint(temperature: float) -> torch.Tensor:
+        scaled = (logits / temperature).masked_fill(~allowed, float("-inf"))
+        probs = scaled.softmax(-1).reshape(VOCAB, VOCAB, VOCAB, MAX_TOKENS, VOCAB)
+        p0, p1, p2, p3 = probs[0, 0, 0, 0], probs[:, 0, 0, 1], probs[:, :, 0, 2], probs[:, :, :, 3]
+        return p0[:, None, None, None] * p1[:, :, None, None] * p2[..., None] * p3
+
+    return joint
+
+
+@pytest.mark.parametrize(
+    "method, temperature",
+    [("off", 1.0), ("ngram", 1.0), ("ngram", 0.7), ("draft-noisy", 1.0), ("draft-noisy", 0.7),
+     ("eagle", 1.0), ("eagle", 0.7)],
+)  # fmt: skip
+def test_constrained_speculative_sampling_follows_the_masked_target_law(
+    lettered, drafts, exact_masked_joint, method, temperature
+):
+    llm = make_llm(lettered, drafts, method)
+    params = SamplingParams(n=NUM_SAMPLES, temperature=temperature, max_tokens=MAX_TOKENS,
+                            structured_outputs={"regex": REGEX})  # fmt: skip
+    (out,) = llm.generate([PROMPT_LETTERS], params, use_tqdm=False)
+    ids = torch.tensor([c.token_ids for c in out.outputs])
+    assert ids.shape == (NUM_SAMPLES, MAX_TOKENS)
+    flat = sum(ids[:, i] * VOCAB ** (MAX_TOKENS - 1 - i) for i in range(MAX_TOKENS))
+    counts = torch.bincount(flat, minlength=VOCAB**MAX_TOKENS).reshape([VOCAB] * MAX_TOKENS)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    if method != "off":  # the premise: drafts verified, some accepted and some not
+        assert stats.num_draft_tokens > NUM_SAMPLES // 2, stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    law = exact_masked_joint(temperature)
+    stat, threshold, df = chi_square_test(counts, law, P_VALUE)
+    assert stat < threshold, f"chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"

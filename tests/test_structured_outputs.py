@@ -9,8 +9,7 @@ import re
 import pytest
 from conftest import build_random_eagle_head
 
-from engine import LLM, SamplingParams
-from engine.structured_params import StructuredOutputsParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 
 CHOICES = ["yes", "no", "not sure"]
 REGEX = r"[0-9]{3}-[a-z]{2}"
