@@ -10,6 +10,7 @@ engine are imported only once the flags pass (a few seconds saved on ``--help`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from engine.config import (
     EngineConfig,
     SpeculativeConfig,
 )
-from engine.prompt_files import Messages, read_prompts
+from engine.prompt_files import Line, Messages, read_prompts
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -201,9 +202,7 @@ def checked_engine_config(**kwargs: Any) -> EngineConfig:
     return config
 
 
-def check_args(
-    args: argparse.Namespace,
-) -> tuple[list[str | Messages], SamplingParams, EngineConfig]:
+def check_args(args: argparse.Namespace) -> tuple[list[Line], SamplingParams, EngineConfig]:
     """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
     items = read_prompts(args.prompt, args.input)
     params = from_options(SamplingParams, SAMPLING_OPTIONS, args)
@@ -240,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # what only the model can tell: its length, the KV that fits, how its heads split
         llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
-        prompts = [_engine_prompt(item, args, llm.tokenizer) for item in items]
+        prompts = [_engine_prompt(item.prompt, args, llm.tokenizer) for item in items]
+        per_line = [_line_params(params, item, llm) for item in items]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, per_line)
     except ValueError as e:
         print(f"error: {_named(e, ENGINE_OPTIONS)}", file=sys.stderr)
         return 2
@@ -250,14 +250,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         with args.output.open("w") as sink:
             for item, out in zip(items, outputs, strict=True):
-                sink.write(json.dumps(_record(item, out)) + "\n")
+                sink.write(json.dumps(_record(item.prompt, out)) + "\n")
     if not args.quiet:
         for item, out in zip(items, outputs, strict=True):
-            print(f"\n>>> {item if isinstance(item, str) else item[-1]['content']}")
+            prompt = item.prompt
+            print(f"\n>>> {prompt if isinstance(prompt, str) else prompt[-1]['content']}")
             for c in out.outputs:
                 print(f"{c.text.strip()}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
     print(_summary(llm, outputs, seconds), file=sys.stderr)
     return 0
+
+
+def _line_params(params: SamplingParams, line: Line, llm: LLM) -> SamplingParams:
+    """The flags' params, with the line's constraint; one that does not compile names its line."""
+    if line.structured_outputs is None:
+        return params
+    try:
+        llm.llm_engine.processor.check_constraint(line.structured_outputs)
+    except ValueError as e:
+        raise ValueError(f"{line.where}: {e}") from None
+    return dataclasses.replace(params, structured_outputs=line.structured_outputs)
 
 
 def _engine_prompt(item: str | Messages, args: argparse.Namespace, tokenizer: Any) -> str | dict:

@@ -80,11 +80,16 @@ class Grammars:
 
                 grammar = LLMatcher.grammar_from_lark(any_to_lark(value))
         except Exception as error:  # noqa: BLE001 - the library's message, under the field
-            raise ValueError(f"{field}: {error}") from None
+            raise ValueError(f"{field}: {_one_line(error)}") from None
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{field}: {matcher.get_error()}")
+            raise ValueError(f"{field}: {_one_line(matcher.get_error())}")
         return matcher
+
+
+def _one_line(message: object) -> str:
+    """llguidance's messages draw carets under the spot on lines of their own."""
+    return " ".join(str(message).split())
 
 
 def allowed(matcher: Any, vocab_size: int | None = None) -> torch.Tensor:

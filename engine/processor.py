@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.grammar import Grammars
 from engine.sampling_params import SamplingParams
+from engine.structured_params import StructuredOutputsParams
 
 # One prompt: text, token ids (ints or numpy integers, in a list, a tuple or a 1-D array or
 # tensor), or one of vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": token ids}.
@@ -97,9 +98,13 @@ class Processor:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
         if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured_outputs needs a model with a tokenizer")
-            self.grammars.matcher(params.structured_outputs)  # compiles it once, or refuses it
+            self.check_constraint(params.structured_outputs)
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Compile ``constraint`` (once: it is cached), or refuse it naming its field."""
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a model with a tokenizer")
+        self.grammars.matcher(constraint)
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Reject what could never run: one sequence needing more KV blocks than exist."""

@@ -1,19 +1,31 @@
 """Prompts for the offline script: ``--prompt`` values, a .txt file (one prompt per line) or a
-.jsonl file (``{"prompt": ...}`` or ``{"messages": [...]}`` per line), checked line by line."""
+.jsonl file (``{"prompt": ...}`` or ``{"messages": [...]}`` per line, with at most one
+constraint: ``response_format``, ``json_schema`` or ``structured_outputs``), checked line by
+line."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
+
+from engine.structured_params import StructuredOutputsParams, as_structured
 
 Messages = list[dict[str, str]]
+CONSTRAINT_KEYS = ("response_format", "json_schema", "structured_outputs")
 
 
-def read_prompts(prompts: list[str] | None, path: Path | None) -> list[str | Messages]:
+class Line(NamedTuple):
+    prompt: str | Messages
+    structured_outputs: StructuredOutputsParams | None = None
+    where: str = "--prompt"  # where it came from, for errors found later
+
+
+def read_prompts(prompts: list[str] | None, path: Path | None) -> list[Line]:
     """``--prompt`` values, or the prompts of the ``--input`` file at ``path``: plain strings,
     or message lists for chat. A ValueError names --prompt, or the input file and line."""
     if prompts:
-        return [_check_prompt(p, "--prompt") for p in prompts]
+        return [Line(_check_prompt(p, "--prompt")) for p in prompts]
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -22,7 +34,7 @@ def read_prompts(prompts: list[str] | None, path: Path | None) -> list[str | Mes
         raise ValueError(f"--input: {path} is not UTF-8 text: {e.reason}") from None
     jsonl = path.suffix == ".jsonl"
     items = [
-        _parse_jsonl_line(line, f"--input: {path}, line {n}") if jsonl else line
+        _parse_jsonl_line(line, f"--input: {path}, line {n}") if jsonl else Line(line)
         for n, line in enumerate(text.splitlines(), 1)
         if line.strip()
     ]
@@ -31,21 +43,51 @@ def read_prompts(prompts: list[str] | None, path: Path | None) -> list[str | Mes
     return items
 
 
-def _parse_jsonl_line(line: str, where: str) -> str | Messages:
+def _parse_jsonl_line(line: str, where: str) -> Line:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(obj, dict) or len(obj.keys() & {"prompt", "messages"}) != 1:
         raise ValueError(f"{where}: expected an object with a 'prompt' or a 'messages' key")
-    unknown = sorted(obj.keys() - {"prompt", "messages"})
+    unknown = sorted(obj.keys() - {"prompt", "messages", *CONSTRAINT_KEYS})
     if unknown:  # sampling options are the script's flags, the same for every line
         raise ValueError(
-            f"{where}: unknown key(s) {unknown}: a line holds 'prompt' or 'messages' alone"
+            f"{where}: unknown key(s) {unknown}: a line holds 'prompt' or 'messages' and at "
+            f"most one of {list(CONSTRAINT_KEYS)}"
         )
     if "messages" in obj:
-        return _check_messages(obj["messages"], where)
-    return _check_prompt(obj["prompt"], where)
+        prompt = _check_messages(obj["messages"], where)
+    else:
+        prompt = _check_prompt(obj["prompt"], where)
+    return Line(prompt, _constraint(obj, where), where)
+
+
+def _constraint(obj: dict, where: str) -> StructuredOutputsParams | None:
+    """A line's constraint: OpenAI's response_format, a bare JSON schema, or vLLM's fields."""
+    given = [key for key in CONSTRAINT_KEYS if key in obj]
+    if len(given) > 1:
+        raise ValueError(f"{where}: give one of {given}, not several")
+    try:
+        if not given:
+            return None
+        value = obj[given[0]]
+        if given[0] == "json_schema":
+            return StructuredOutputsParams(json=value)
+        if given[0] == "structured_outputs":
+            return as_structured(value)
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if schema is None:
+            raise ValueError(
+                'response_format must be {"type": "json_object"} or {"type": "json_schema", '
+                f'"json_schema": {{"schema": ...}}}}, got {value!r:.80}'
+            )
+        return StructuredOutputsParams(json=schema)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _check_prompt(prompt: object, where: str) -> str:

@@ -346,8 +346,13 @@ def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path
         ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
         ('{"prompt": "hi", "max_tokens": 5}', "unknown key(s) ['max_tokens']"),
         ('{"prompt": "hi", "messages": []}', "'prompt' or a 'messages' key"),
+        ('{"prompt": "hi", "json_schema": {}, "structured_outputs": {"regex": "a"}}',
+         "give one of ['json_schema', 'structured_outputs']"),
+        ('{"prompt": "hi", "response_format": {"type": "yaml"}}', "response_format must be"),
+        ('{"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}',
+         "exactly one of"),
     ],
-)
+)  # fmt: skip
 def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, bad_line, match):
     path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "", bad_line])
     assert engine.generate.main(["--input", path]) == 2
@@ -441,7 +446,35 @@ def test_jsonl_prompts_round_trip(tmp_path):
         tmp_path / "in.jsonl", [json.dumps({"prompt": "a"}), json.dumps({"messages": messages})]
     )
     args = engine.generate.build_parser().parse_args(["--input", path])
-    assert engine.generate.read_prompts(args.prompt, args.input) == ["a", messages]
+    lines = engine.generate.read_prompts(args.prompt, args.input)
+    assert [line.prompt for line in lines] == ["a", messages]
+    assert [line.structured_outputs for line in lines] == [None, None]
+
+
+def test_generate_script_takes_a_constraint_per_line(tiny_llama, capsys, tmp_path):
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"],
+              "additionalProperties": False}  # fmt: skip
+    lines = [
+        {"prompt": "a", "json_schema": schema},
+        {
+            "prompt": "b",
+            "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+        },
+        {"prompt": "c", "structured_outputs": {"choice": ["red", "blue"]}},
+        {"prompt": "d"},
+    ]
+    path, out = write_jsonl(tmp_path / "in.jsonl", map(json.dumps, lines)), tmp_path / "out.jsonl"
+    argv = ["--model", tiny_llama, "--input", path, "--output", str(out), "--max-tokens", "30"]
+    assert engine.generate.main([*argv, "--temperature", "1", "--seed", "3"]) == 0
+    texts = [json.loads(r)["outputs"][0]["text"] for r in out.read_text().splitlines()]
+    assert json.loads(texts[0]) in ({"k": "x"}, {"k": "y"}) and json.loads(texts[1])["k"]
+    assert texts[2] in ("red", "blue")
+    capsys.readouterr()
+    bad_line = json.dumps({"prompt": "b", "structured_outputs": {"regex": "[0-9"}})
+    bad = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "a"}', bad_line])
+    assert engine.generate.main(["--model", tiny_llama, "--input", bad]) == 2
+    err = one_error_line(capsys)
+    assert "line 2: structured_outputs.regex:" in err
 
 
 # --- import graph -------------------------------------------------------------------------------

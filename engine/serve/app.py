@@ -127,7 +127,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         prompts = completion_prompts(tokenizer, body.prompt)
         lens = [len(p["prompt_token_ids"]) for p in prompts if not isinstance(p, str)]
         check_context(max_model_len, lens, params.max_tokens, "max_tokens")
-        group = await start(prompts, params, {})
+        group = await start(prompts, params, body.renamed_fields())
         return await respond(
             request,
             group,
@@ -140,7 +140,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         params = chat_params(body)
-        renamed = {"prompt": "messages", "logprobs": "top_logprobs"}
+        renamed = {"prompt": "messages", "logprobs": "top_logprobs"} | body.renamed_fields()
         prompt = chat_prompt(tokenizer, body)
         lens = [len(prompt["prompt_token_ids"])]
         check_context(max_model_len, lens, params.max_tokens, max_tokens_field(body))

@@ -42,7 +42,8 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     kwargs = req.sampling_kwargs() | {"max_tokens": getattr(req, limit)}
     if req.logprobs:
         kwargs["logprobs"] = req.top_logprobs or 0
-    return sampling_params(kwargs, {"max_tokens": limit, "logprobs": "top_logprobs"})
+    renamed = {"max_tokens": limit, "logprobs": "top_logprobs"} | req.renamed_fields()
+    return sampling_params(kwargs, renamed)
 
 
 def max_tokens_field(req: ChatCompletionRequest) -> str:

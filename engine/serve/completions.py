@@ -49,7 +49,7 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     kwargs = req.sampling_kwargs() | {"max_tokens": req.max_tokens}
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
-    return sampling_params(kwargs, {})
+    return sampling_params(kwargs, req.renamed_fields())
 
 
 class Completions:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # SamplingParams fields that a request may set under the same name.
 SAMPLING_FIELDS = (
@@ -28,6 +28,28 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required for type json_schema")
+        return self
 
 
 class SamplingRequest(BaseModel):
@@ -52,11 +74,39 @@ class SamplingRequest(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # OpenAI's constraint, or vLLM's extra (StructuredOutputsParams' fields): one at most
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keywords this request sets (None fields are left out)."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values["structured_outputs"] = self.structured_outputs or self._response_constraint()
         return {name: value for name, value in values.items() if value is not None}
+
+    def _response_constraint(self) -> dict[str, Any] | None:
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return {"json_object": True}
+        return {"json": f.json_schema.json_schema}
+
+    def renamed_fields(self) -> dict[str, str]:
+        """What the engine calls a constraint's fields, as this request named them."""
+        if self.response_format is None:
+            return {}
+        return {
+            "structured_outputs": "response_format",
+            "structured_outputs.json_object": "response_format",
+            "structured_outputs.json": "response_format.json_schema",
+        }
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingRequest:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
 
     @property
     def include_usage(self) -> bool:

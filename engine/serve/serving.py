@@ -44,7 +44,7 @@ def bad_request(error: ValueError, renamed: dict[str, str] | None = None) -> API
     reported as ``param`` (under the request's name for it, via ``renamed``)."""
     message = str(error)
     word = message.split(" ", 1)[0].strip(":")
-    param = word if word.isidentifier() else None
+    param = word if all(part.isidentifier() for part in word.split(".")) else None
     if param is not None and renamed:
         param = renamed.get(param, param)
     return APIError(400, message, param=param, code="invalid_value")
