@@ -105,14 +105,18 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def render_chat(tokenizer: Any, messages: Messages) -> tuple[str, list[int]]:
-    """``messages`` through the chat template (with the generation prompt), as text and as token
-    ids. The template writes any BOS itself, so the text is encoded without special tokens:
-    adding them would double the BOS on Llama-3 or Mistral tokenizers."""
+def render_chat(
+    tokenizer: Any, messages: Messages, tools: list[dict] | None = None
+) -> tuple[str, list[int]]:
+    """``messages`` (and OpenAI-style ``tools``) through the chat template, with the generation
+    prompt, as text and as token ids. The template writes any BOS itself, so the text is encoded
+    without special tokens: adding them would double the BOS on Llama-3 or Mistral tokenizers."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")
     messages = checked_messages(messages)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -142,6 +146,8 @@ def checked_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {message.get('role')!r}"
             )
         content = message.get("content")
+        if content is None and message.get("tool_calls"):  # an assistant's calls, no text
+            content = ""
         if isinstance(content, list) and all(
             isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -396,6 +397,60 @@ def test_response_format_and_structured_outputs(server):
     _error(post("/v1/completions", json=body | choice | {"response_format": schema}), 400)
     _error(post("/v1/completions", json=body | {"structured_outputs": {"regex": "a", "choice":
            ["a"]}}), 400)  # fmt: skip
+    server.wait_idle()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def _valid_call(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return arguments in ({"city": "Paris"}, {"city": "Oslo"})
+    return call.function.name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def test_tool_calls_named_required_and_streamed(server):
+    """A named function or "required": calls valid for their schemas (constrained decoding),
+    in OpenAI's tool_calls, whole and streamed, with finish_reason "tool_calls"."""
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0.9, seed=5,
+                tools=[WEATHER, TIME])  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = server.client.chat.completions.create(**chat, tool_choice=named).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert [c.function.name for c in r.message.tool_calls] == ["get_time"]
+    assert _valid_call(r.message.tool_calls[0])
+    r = server.client.chat.completions.create(**chat, tool_choice="required").choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.tool_calls
+    assert all(_valid_call(c) for c in r.message.tool_calls)
+    for choice in (named, "required"):
+        chunks = list(server.client.chat.completions.create(**chat, tool_choice=choice,
+                                                            stream=True))  # fmt: skip
+        calls: dict[int, dict] = {}
+        for chunk in chunks:
+            for d in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert calls and all(
+            _valid_call(SimpleNamespace(function=SimpleNamespace(**c))) for c in calls.values()
+        )
+    post = server.http.post
+    body = {"model": MODEL, "messages": MESSAGES}
+    _error(post("/v1/chat/completions", json=body | {"tool_choice": "required"}), 400,
+           "tool_choice")  # fmt: skip
+    other = {"type": "function", "function": {"name": "nope"}}
+    _error(post("/v1/chat/completions", json=body | {"tools": [WEATHER], "tool_choice": other}),
+           400, "tool_choice")  # fmt: skip
+    both = {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type":
+            "json_object"}}  # fmt: skip
+    _error(post("/v1/chat/completions", json=body | both), 400, "tool_choice")
     server.wait_idle()
 
 

@@ -3,6 +3,8 @@ when the engine itself fails under its request."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import build_tiny_llama
 from fastapi.testclient import TestClient
@@ -41,3 +43,22 @@ def test_lost_worker_is_a_json_error_then_the_server_stops_serving(model_dir):
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_auto_tool_choice_parses_hermes_style_calls():
+    """ "auto": calls written as <tool_call>{...}</tool_call> become tool_calls (unknown names
+    and broken JSON stay text); the rest is the content."""
+    from engine.serve.protocol import ChatCompletionRequest
+    from engine.serve.tools import tool_calls
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    text = ('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>\n<tool_call>{"name": "other", "arguments": {}}</tool_call>')  # fmt: skip
+    content, calls = tool_calls(req, "auto", text)
+    assert content == 'Let me look. \n<tool_call>{"name": "other", "arguments": {}}</tool_call>'
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert tool_calls(req, "auto", "no calls here") == ("no calls here", [])
+    assert tool_calls(req, "auto", "<tool_call>{broken</tool_call>")[1] == []

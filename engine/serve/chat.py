@@ -31,6 +31,7 @@ from engine.serve.serving import (
     sse_stream,
     usage,
 )
+from engine.serve.tools import tool_calls, tool_constraint, tool_mode
 
 
 def chat_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -40,6 +41,8 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         )
     limit = max_tokens_field(req)
     kwargs = req.sampling_kwargs() | {"max_tokens": getattr(req, limit)}
+    if (constraint := tool_constraint(req, tool_mode(req))) is not None:
+        kwargs["structured_outputs"] = constraint
     if req.logprobs:
         kwargs["logprobs"] = req.top_logprobs or 0
     renamed = {"max_tokens": limit, "logprobs": "top_logprobs"} | req.renamed_fields()
@@ -52,8 +55,11 @@ def max_tokens_field(req: ChatCompletionRequest) -> str:
 
 
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> dict[str, list[int]]:
+    tools = None
+    if tool_mode(req) not in (None, "none"):
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
-        _, token_ids = render_chat(tokenizer, [m.for_template() for m in req.messages])
+        _, token_ids = render_chat(tokenizer, [m.for_template() for m in req.messages], tools)
     except MessageError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
     except Exception as e:  # noqa: BLE001 - a template error is the request's
@@ -68,15 +74,17 @@ class Chat:
     async def full(self, group: RequestGroup, req: ChatCompletionRequest) -> ChatCompletionResponse:
         (out,) = await group.final_outputs()
         check_complete([out])
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessage(content=c.text),
-                logprobs=self._logprobs(req, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
+        mode, choices = tool_mode(req), []
+        for c in out.outputs:
+            content, calls = tool_calls(req, mode, c.text)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(req, c.token_ids, c.logprobs),
+                    finish_reason=_finish(c.finish_reason, calls),
+                )
             )
-            for c in out.outputs
-        ]
         return ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             model=self.model_name,
@@ -94,6 +102,8 @@ class Chat:
                 id=response_id, created=created, model=self.model_name, choices=choices, **extra
             )
 
+        mode = tool_mode(req)
+
         def events(out: RequestOutput) -> Iterator[str]:
             for c in out.outputs:
                 d = deltas.next(out.request_id, c)
@@ -102,17 +112,42 @@ class Chat:
                 if d.first:  # OpenAI's first chunk of a choice carries the role
                     role = {"role": "assistant", "content": ""}
                     yield sse(response([ChatChunkChoice(index=c.index, delta=role)]), exclude)
-                yield sse(response([self._delta_choice(req, c.index, d)]), exclude)
+                choice = self._delta_choice(req, c.index, d, mode, c.text)
+                if choice is not None:
+                    yield sse(response([choice]), exclude)
 
         with_usage = (lambda u: response([], usage=u)) if req.include_usage else None
         return sse_stream(group.outputs(), events, with_usage)
 
-    def _delta_choice(self, req: ChatCompletionRequest, index: int, d: Delta) -> ChatChunkChoice:
+    def _delta_choice(
+        self, req: ChatCompletionRequest, index: int, d: Delta, mode: str | None, text: str
+    ) -> ChatChunkChoice | None:
+        """A choice's news as a chunk. Content streams as it comes; a named tool's arguments
+        too (its name in the first delta); "auto" and "required" answers are parsed once
+        whole, so they come in their last delta (None before it)."""
+        delta: dict[str, Any] = {"content": d.text}
+        reason = d.finish_reason
+        if mode == "named":
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
+            if d.first:
+                name = req.tool_choice.function.name
+                call |= {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
+                call["function"] = {"name": name, "arguments": d.text}
+            delta = {"tool_calls": [call]}
+            reason = _finish(reason, [call])
+        elif mode in ("auto", "required"):
+            if reason is None:
+                return None
+            content, calls = tool_calls(req, mode, text)
+            delta = {"content": content}
+            if calls:
+                delta["tool_calls"] = [{"index": i} | c.model_dump() for i, c in enumerate(calls)]
+            reason = _finish(reason, calls)
         return ChatChunkChoice(
             index=index,
-            delta={"content": d.text},
+            delta=delta,
             logprobs=self._logprobs(req, d.token_ids, d.logprobs),
-            finish_reason=d.finish_reason,
+            finish_reason=reason,
         )
 
     def _logprobs(
@@ -121,3 +156,8 @@ class Chat:
         if not req.logprobs or logprobs is None:
             return None
         return chat_logprobs(self.tokenizer, token_ids, logprobs, req.top_logprobs or 0)
+
+
+def _finish(reason: str | None, calls: list) -> str | None:
+    """OpenAI's finish reason for an answer that calls tools (once it stopped by itself)."""
+    return "tool_calls" if calls and reason == "stop" else reason
