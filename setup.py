@@ -26,7 +26,7 @@ setup(
         "llguidance>=1.9",  # structured outputs (engine/grammar.py)
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "ruff", "accelerate", "openai", "httpx"],
+        "dev": ["pytest", "hypothesis", "ruff", "accelerate", "openai", "httpx", "jsonschema"],
     },
     entry_points={
         "console_scripts": [

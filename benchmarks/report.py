@@ -39,6 +39,10 @@ HOST_PHASES = {"schedule": "schedule", "draft": "draft", "prepare": "prepare inp
 # quiet generated tokens/s at these batch sizes at least this, and its quiet tokens/s no worse
 # than with its threads fixed (as SPEC_LARGE_BATCH: within the noise of a run).
 CONTENTION_BATCHES, CONTENTION_RATIO, CONTENTION_QUIET = (1, 16), 0.5, 0.95
+# Issue 52, structured outputs (benchmarks.structured): JSON-schema requests / unconstrained
+# throughput at batch 32; EAGLE / no speculation at batch 1, both constrained; the share of the
+# 20 schemas x 2 temperatures whose answers parse and validate.
+STRUCTURED_THROUGHPUT, STRUCTURED_EAGLE, STRUCTURED_VALID = 0.9, 1.3, 1.0
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
     "eagle-k4-wide": "eagle, chains of k, one leaf more",
@@ -415,6 +419,46 @@ def render_contention(p: dict) -> list[str]:
     return _section("A CPU shared with a busy process", notes, columns, p["results"])
 
 
+def render_structured(p: dict) -> list[str]:
+    cfg, t, s, m = p["config"], p["throughput"], p["speculation"], p["mask_cost"]
+    valid = p["validity"]["rows"]
+    failed = [f"{r['schema']} at T={r['temperature']} ({r['finish_reason']})"
+              for r in valid if not r["valid"]]  # fmt: skip
+    notes = [
+        *_machine(p),
+        f"- validity: the 20 schemas of data/json_schemas.json at temperature 0 and 0.8 (seed "
+        f"{cfg['seed']}), at most "
+        f"{cfg['validity_max_tokens']} tokens: {sum(r['valid'] for r in valid)} of {len(valid)} "
+        "parse and validate (jsonschema)" + (f"; not: {', '.join(failed)}" if failed else ""),
+        f"- throughput: batch {cfg['batch_size']}, {cfg['max_tokens']} tokens each (EOS "
+        f"ignored), the median of {cfg['rounds']} rounds after a warm-up one; speculation: batch "
+        f"1, {cfg['eagle_prompts']} held-out chat prompts asking for a list of records, greedy, "
+        f"at most {cfg['eagle_max_tokens']} tokens, EAGLE k=4 (shipped head) against none",
+        f"- mask cost at batch 1: {m['engine_us_per_row']:.1f} µs per masked row in the engine "
+        f"(bitmask filled, unpacked, applied), llguidance's bitmask alone "
+        f"{m['llguidance_bitmask_us']:.1f} µs (median of {m['rows']} steps)",
+    ]
+    same = "yes" if s["identical_tokens"] else "NO"
+    rows = [
+        {"run": "JSON schema", "tps": t["tokens_per_s"]["constrained"],
+         "vs": t["constrained_vs_unconstrained"], "what": "vs unconstrained"},
+        {"run": "unconstrained", "tps": t["tokens_per_s"]["unconstrained"]},
+        {"run": "JSON schema, EAGLE", "tps": s["tokens_per_s"]["eagle"], "vs": s["speedup"],
+         "what": "vs no speculation", "tpv": s["tokens_per_verification"], "same": same},
+        {"run": "JSON schema, no speculation", "tps": s["tokens_per_s"]["off"]},
+    ]  # fmt: skip
+    columns = "run={run} | tok/s={tps:.1f} | ratio={vs:.2fx} | ={what} | tokens per "
+    columns += "verification={tpv:.2f} | same tokens={same}"
+    by_schema: dict[str, dict] = {}
+    for r in valid:
+        verdict = "valid" if r["valid"] else "INVALID"
+        cell = f"T {r['temperature']}: {verdict} ({r['finish_reason']}, {r['tokens']} tokens)"
+        key = "greedy" if r["temperature"] == 0 else "sampled"
+        by_schema.setdefault(r["schema"], {"schema": r["schema"]})[key] = cell
+    each = _table("schema={schema} | greedy={greedy} | sampled={sampled}", list(by_schema.values()))
+    return _section("Structured outputs", notes, columns, rows, [*each, ""])
+
+
 def render_block_manager(p: dict) -> list[str]:
     cfg, us = p["config"], ("median", "p90", "p99", "append", "slot_ids", "truncate", "commit")
     rows = [{"on": "on" if r["prefix_caching"] else "off", "r": r} for r in p["results"]]
@@ -582,7 +626,8 @@ def render_run_all(p: dict) -> list[str]:
 
 # benchmark name: its renderer, in the page's order.
 NAMES = ("throughput", "accuracy", "latency", "spec_decode", "host_overhead", "serving", "soak",
-         "memory", "contention", "block_manager", "linear", "kernels", "run_all")  # fmt: skip
+         "memory", "contention", "structured", "block_manager", "linear", "kernels",
+         "run_all")  # fmt: skip
 RENDERERS = {name: globals()[f"render_{name}"] for name in NAMES}
 
 
@@ -640,6 +685,15 @@ def targets(p: dict) -> list[dict]:
         found += _serving_targets(p["systems"])
     if p["benchmark"] == "host_overhead":
         found += _host_overhead_targets(p)
+    if p["benchmark"] == "structured":
+        found += [
+            (f"structured: JSON schema vs unconstrained, batch {p['config']['batch_size']}",
+             p["throughput"]["constrained_vs_unconstrained"], STRUCTURED_THROUGHPUT),
+            ("structured: EAGLE vs no speculation, batch 1, same constraint",
+             p["speculation"]["speedup"], STRUCTURED_EAGLE),
+            ("structured: answers that parse and validate, 20 schemas x T 0 / 0.8",
+             p["validity"]["valid_share"], STRUCTURED_VALID, ""),
+        ]  # fmt: skip
     if p["benchmark"] == "contention":
         found += _contention_targets(p["results"])
     if p["benchmark"] == "memory":

@@ -33,6 +33,7 @@ FULL = {
     "soak": "soak --num-requests 1000 --duration 600",
     "memory": "memory",
     "contention": "contention --rounds 3",
+    "structured": "structured",
     "block_manager": "block_manager",
     "linear": "linear",
     "kernels": "kernels --spans 1,5,64 --iters 10",

@@ -145,7 +145,7 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         )
     elif spec is not None:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-    step_sampler = StepSampler(Sampler(config.seed, device), eos_token_ids)
+    step_sampler = StepSampler(Sampler(config.seed, device), eos_token_ids, cpu_limit())
     grammars = None
     if target.tokenizer is not None:
         grammars = Grammars(target.tokenizer, vocab_size, eos_token_ids)

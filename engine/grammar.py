@@ -92,27 +92,72 @@ def _one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
-def allowed(matcher: Any, vocab_size: int | None = None) -> torch.Tensor:
-    """bool [vocab_size]: the tokens ``matcher`` accepts next (None: the mask's whole width, a
-    multiple of 32)."""
-    words = np.frombuffer(matcher.compute_bitmask(), np.uint8)
-    bits = np.unpackbits(words, bitorder="little")[:vocab_size]
-    return torch.from_numpy(bits.view(np.bool_).copy())
+def words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask (bit i of word w: token 32 w + i allowed)."""
+    return (vocab_size + 31) // 32
 
 
-def span_masks(matcher: Any, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """bool [1 + len(drafts), vocab_size]: row j allows what follows ``drafts[:j]``. Past the
-    first draft the constraint refuses, rows allow everything: verification rejects that
+def fill_bitmasks(matcher: Any, drafts: Sequence[int], out: np.ndarray) -> None:
+    """Row j of ``out`` (int32 [1 + len(drafts), words]) := what follows ``drafts[:j]``. Past
+    the first draft the constraint refuses, rows allow everything: verification rejects that
     draft, so they are never read. ``matcher`` itself does not move (a copy walks the drafts:
     rolling back over an EOS that completed the constraint is not exact)."""
-    valid = matcher.validate_tokens(list(drafts))
+    valid = matcher.validate_tokens(list(drafts)) if drafts else 0
     walker = matcher.deep_copy() if valid else matcher
-    rows = torch.ones(len(drafts) + 1, vocab_size, dtype=torch.bool)
+    out[valid + 1 :] = -1
     for j in range(valid + 1):
-        rows[j] = allowed(walker, vocab_size)
+        walker.unsafe_compute_mask_ptr(out[j].ctypes.data, out.shape[1] * 4)
         if j < valid and not walker.consume_token(drafts[j]):
             raise RuntimeError(f"the grammar refused draft {drafts[j]} it had validated")
-    return rows
+
+
+class BitmaskFiller:
+    """A step's constrained rows' bitmasks: the rows at a sample's committed tokens in parallel
+    (llguidance's executor: threads of its own, without the GIL; each matcher once, a request's
+    n samples at its prompt's end sharing one), the rows after drafts by walking a copy."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._executor: Any = None  # made on first use
+
+    def fill(self, rows: list[tuple[Any, Sequence[int]]], out: np.ndarray) -> None:
+        """``rows[i]`` = (a matcher, the drafts after it): its 1 + len(drafts) rows of ``out``
+        (int32), one after the other."""
+        first: dict[int, int] = {}  # matcher id -> its committed row
+        parallel, copies, at = [], [], 0
+        for matcher, drafts in rows:
+            if drafts:
+                fill_bitmasks(matcher, drafts, out[at : at + 1 + len(drafts)])
+            elif id(matcher) in first:
+                copies.append((at, first[id(matcher)]))
+            else:
+                first[id(matcher)] = at
+                parallel.append((matcher, at))
+            at += 1 + len(drafts)
+        if len(parallel) > 1:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor(self.threads)
+            self._executor.unsafe_compute_mask_ptr(parallel, out.ctypes.data, out.shape[1] * 4,
+                                                   out.shape[0])  # fmt: skip
+        elif parallel:
+            fill_bitmasks(parallel[0][0], (), out[parallel[0][1] : parallel[0][1] + 1])
+        for to, source in copies:
+            out[to] = out[source]
+
+
+def refused(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: True where a row's bitmask refuses the token."""
+    unpacked = np.unpackbits(np.invert(bits).view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(unpacked[:, :vocab_size].view(np.bool_))
+
+
+def refused_next(matcher: Any, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the tokens ``matcher`` refuses next."""
+    bits = np.empty((1, words(vocab_size)), np.int32)
+    fill_bitmasks(matcher, (), bits)
+    return refused(bits, vocab_size)[0]
 
 
 def consume(matcher: Any, token_ids: Sequence[int]) -> None:

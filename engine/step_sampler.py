@@ -15,12 +15,14 @@ tokens then depend on what was drafted.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from engine.grammar import span_masks
+from engine.grammar import BitmaskFiller, refused, words
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import (
     Sampler,
@@ -55,9 +57,10 @@ class SampleResult(NamedTuple):
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, eos_token_ids: set[int]) -> None:
+    def __init__(self, sampler: Sampler, eos_token_ids: set[int], threads: int = 1) -> None:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
+        self.bitmasks = BitmaskFiller(threads)  # constrained rows' masks
 
     def __call__(self, logits: torch.Tensor, jobs: list[SampleJob]) -> list[SampleResult]:
         """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
@@ -65,7 +68,8 @@ class StepSampler:
             return []
         starts = _starts(jobs)
         raw = _gather_rows(logits, jobs)
-        rows = _mask_grammar(self._mask_min_tokens(raw, jobs), raw, jobs, starts)
+        rows = self._mask_min_tokens(raw, jobs)
+        rows = _mask_grammar(rows, raw, jobs, starts, self.bitmasks)
         sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
         if not sampled:
             tokens = self._sample_and_match(rows, jobs, starts)
@@ -208,16 +212,32 @@ def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
 
 
 def _mask_grammar(
-    rows: torch.Tensor, raw: torch.Tensor, jobs: list[SampleJob], starts: list[int]
+    rows: torch.Tensor,
+    raw: torch.Tensor,
+    jobs: list[SampleJob],
+    starts: list[int],
+    bitmasks: BitmaskFiller,
 ) -> torch.Tensor:
     """Each constrained job's rows with what its grammar refuses at -inf (row j: after
-    drafts[:j]); a copy where ``rows`` is still ``raw``, whose logprobs are reported."""
-    for job, start in zip(jobs, starts, strict=True):
-        if job.grammar is None:
-            continue
-        rows = rows.clone() if rows is raw else rows
-        refused = ~span_masks(job.grammar, job.drafts, rows.shape[-1]).to(rows.device)
-        rows[start : start + job.num_rows].masked_fill_(refused, float("-inf"))
+    drafts[:j]), in place unless a constrained job reports logprobs (of the raw rows: then a
+    copy). The bitmasks of every constrained row are filled, unpacked and applied at once."""
+    constrained = [(job, start) for job, start in zip(jobs, starts, strict=True) if job.grammar]
+    if not constrained:
+        return rows
+    total = sum(job.num_rows for job, _ in constrained)
+    bits = np.empty((total, words(rows.shape[-1])), np.int32)
+    bitmasks.fill([(job.grammar, job.drafts) for job, _ in constrained], bits)
+    bad = refused(bits, rows.shape[-1]).to(rows.device)
+    if rows is raw and any(job.params.logprobs is not None for job, _ in constrained):
+        rows = rows.clone()
+    offsets = _starts([job for job, _ in constrained])
+    first = constrained[0][1]
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        if all(start == first + at for (_, start), at in zip(constrained, offsets, strict=True)):
+            rows[first : first + total].masked_fill_(bad, float("-inf"))  # back to back
+            return rows
+        for (job, start), at in zip(constrained, offsets, strict=True):
+            rows[start : start + job.num_rows].masked_fill_(bad[at : at + job.num_rows], -math.inf)
     return rows
 
 

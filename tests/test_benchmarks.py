@@ -31,6 +31,7 @@ from benchmarks import (
     report,
     run_all,
     spec_decode,
+    structured,
     throughput,
     workload,
 )
@@ -660,3 +661,20 @@ def test_contention_runs_each_system_quiet_and_beside_a_busy_process(tiny_llama,
     workload.save(payload, tmp_path, "contention")
     assert "## A CPU shared with a busy process" in report.render(tmp_path, tmp_path / "R.md")
     assert_every_number_shown(payload, "contention.json")
+
+
+def test_structured_benchmark_runs_every_part(tiny_llama, tmp_path):
+    head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300)
+    argv = ["--model", tiny_llama, "--eagle-head", str(head), "--batch-size", "2",
+            "--max-tokens", "4", "--rounds", "1", "--eagle-prompts", "1", "--eagle-max-tokens",
+            "6", "--validity-max-tokens", "8", "--output-dir", str(tmp_path)]  # fmt: skip
+    payload = structured.run(structured.build_parser().parse_args(argv))
+    rows = payload["validity"]["rows"]
+    assert len(rows) == 40 and {r["temperature"] for r in rows} == {0.0, 0.8}
+    assert payload["speculation"]["identical_tokens"]  # greedy, the same constraint
+    assert payload["throughput"]["tokens_per_s"]["constrained"] > 0
+    assert payload["mask_cost"]["engine_us_per_row"] > 0
+    names = [t["name"] for t in report.targets(payload)]
+    assert names[0] == "structured: JSON schema vs unconstrained, batch 2" and len(names) == 3
+    workload.save(payload, tmp_path, "structured")
+    assert_every_number_shown(payload, "structured.json")

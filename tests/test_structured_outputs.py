@@ -110,7 +110,8 @@ def test_logprobs_stay_those_of_the_raw_logits(llm):
 
 @pytest.fixture(scope="module")
 def proposers(tiny_llama, tmp_path_factory) -> dict[str, dict]:
-    head = build_random_eagle_head(tmp_path_factory.mktemp("so_head"), tiny_llama, 300)
+    # a draft vocabulary of ids 0, 2, .. 198: its masks come from the target vocabulary's
+    head = build_random_eagle_head(tmp_path_factory.mktemp("so_head"), tiny_llama, 100)
     common = {"num_speculative_tokens": 4, "max_draft_skip": 0, "disable_batch_size": 100}
     return {
         "ngram": {"method": "ngram"} | common,

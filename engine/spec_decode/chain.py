@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar import allowed
+from engine.grammar import refused_next
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs, seeded_generator
 from engine.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ def draw_drafts(
     generator: torch.Generator,
     token_map: torch.Tensor | None = None,
     grammars: list[Any] | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft id per row of a draft model's logits, with q (its distribution processed like
     the target's: penalties, temperature, top-k, top-p, min-p): the argmax for greedy requests,
@@ -36,18 +37,20 @@ def draw_drafts(
     ``token_map``: the target id of each logit column (a reduced draft vocabulary).
     ``grammars[i]``: row i's matcher, standing after the drafts before it (None: unconstrained);
     a row draws from the tokens it allows (all of them where none is in the draft's
-    vocabulary: that draft is then refused by the target's mask)."""
+    vocabulary: that draft is then refused by the target's mask). ``vocab_size``: the target's
+    (default: the logits' width)."""
     params = [h.params for h, _ in rows]
     # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
     # it too keeps the drafts close to what the target will accept
     penalised = apply_penalties(logits, [h for h, _ in rows], token_map)
     for i, grammar in enumerate(grammars or ()):
-        if grammar is not None:
-            ok = allowed(grammar)
-            ok = ok[token_map] if token_map is not None else ok[: logits.shape[-1]]
-            if ok.any():
-                penalised = penalised.clone() if penalised is logits else penalised
-                penalised[i].masked_fill_(~ok.to(logits.device), float("-inf"))
+        if grammar is None:
+            continue
+        bad = refused_next(grammar, vocab_size or logits.shape[-1])
+        bad = bad[token_map] if token_map is not None else bad
+        if not bad.all():
+            penalised = penalised.clone() if penalised is logits else penalised
+            penalised[i].masked_fill_(bad.to(logits.device), float("-inf"))
     if all(p.greedy for p in params):  # the argmax of the one-hot q, lowest id on ties
         return penalised.argmax(-1), None
     batch = SamplingBatch.from_params(

@@ -169,7 +169,9 @@ class EagleProposer:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
         (zero outside the draft vocabulary); None when every row is greedy."""
         d2t = self.head.d2t
-        ids, q_draft = draw_drafts(logits, rows, self.generator, d2t, grammars)
+        ids, q_draft = draw_drafts(
+            logits, rows, self.generator, d2t, grammars, self.target_vocab_size
+        )
         if q_draft is None:
             return d2t[ids].tolist(), None
         q = q_draft.new_zeros(len(rows), self.target_vocab_size)
