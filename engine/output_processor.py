@@ -67,6 +67,7 @@ class OutputProcessor:
             length += 1
             if sample.logprobs is not None and logprobs is not None:
                 sample.logprobs.append(logprobs[j])
+                sample.cumulative_logprob += logprobs[j][token]
             delta = detokenizer.add(token) if detokenizer else ""
             if num_outputs < params.min_tokens:
                 sample.text += delta
@@ -143,4 +144,5 @@ def _completion(request: Request, sample: SampleState) -> CompletionOutput:
         sample.finish_reason,
         None if sample.logprobs is None else list(sample.logprobs),
         sample.stop_reason,
+        sample.cumulative_logprob,
     )

@@ -18,6 +18,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # the sum of the tokens' logprobs (of the raw logits), when logprobs were asked for
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,7 @@ class SampleState:
         "finish_reason",
         "stop_reason",
         "logprobs",
+        "cumulative_logprob",
         "draft",
         "grammar",
     )
@@ -53,6 +54,7 @@ class SampleState:
         self.logprobs: list[dict[int, float]] | None = (
             [] if request.params.logprobs is not None else None
         )
+        self.cumulative_logprob = 0.0 if self.logprobs is not None else None
         self.draft = DraftState() if draft is None else draft
         # llguidance's matcher at the committed tokens (engine.grammar); None: unconstrained
         self.grammar = grammar

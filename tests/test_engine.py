@@ -201,6 +201,10 @@ def test_logprobs_match_log_softmax(tiny_llama):
                 assert lp == pytest.approx(float(exact[j, t]), abs=1e-4), (j, t)
             if params.temperature == 0:
                 assert token == int(exact[j].argmax())
+        path = sum(float(exact[j, t]) for j, t in enumerate(comp.token_ids))
+        assert comp.cumulative_logprob == pytest.approx(path, abs=1e-3)
+    plain = llm.generate(PROMPTS[1], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None  # no logprobs asked for
 
 
 @pytest.mark.parametrize(
