@@ -129,7 +129,7 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler_config = SchedulerConfig(
-        config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+        config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.scheduling_policy
     )
     proposer = None
     if draft is not None:

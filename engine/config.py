@@ -14,6 +14,9 @@ QUANTIZATIONS = (None, "int8", "q4_1")
 # bytes attention reads (llama.cpp keeps F16 KV by default); keys and values are rounded to
 # nearest when written, and attention still computes in float32.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# scheduler.POLICIES (not imported here: the scheduler package imports torch, and the CLIs read
+# this module before torch loads); tests/test_engine.py checks the two agree
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 # The defaults of the SpeculativeConfig fields that None leaves to the method: the one place they
@@ -185,6 +188,9 @@ class EngineConfig:
     # CPU: the kernels' threads. None: the CPUs free to this process (affinity mask, cgroup
     # quota), fewer while other processes keep some of them busy (engine.cpu_threads).
     num_threads: int | None = None
+    # "fcfs", or "priority": requests by add_request's priority (lower first, ties by arrival),
+    # and under memory pressure the lowest-priority running sequence is preempted first.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -196,6 +202,11 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -37,11 +37,13 @@ class LLM:
         prompts: PromptType | Iterable[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. An output's
-        ``prompt`` is the prompt's text, or None for a prompt given as token ids."""
+        ``prompt`` is the prompt's text, or None for a prompt given as token ids.
+        ``priority``: one per prompt, for an engine with ``scheduling_policy="priority"``."""
         batch = [parse_prompt(p) for p in _prompt_list(prompts)]
-        return self._generate(batch, sampling_params, use_tqdm)
+        return self._generate(batch, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -63,18 +65,22 @@ class LLM:
         prompts: list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None,
         use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Add every prompt, then step until all are done. On the way out of a failed or
         interrupted call (KeyboardInterrupt included) its unfinished requests are aborted, so
         they hold no KV blocks and a later call does not advance them."""
         params = _params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority must have one entry per prompt ({len(prompts)})")
+        priorities = priority or [0] * len(prompts)
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, rank)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:

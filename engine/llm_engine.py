@@ -50,14 +50,14 @@ class LLMEngine:
         if self._tp is not None:
             weakref.finalize(self, self._tp.shutdown)
 
-    def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0) -> None:  # fmt: skip
+        """``priority`` orders requests under ``scheduling_policy="priority"`` (lower first)."""
         self._check_open()
-        p = self.processor.process(prompt, params, request_id, self.requests)
+        p = self.processor.process(prompt, params, request_id, self.requests, priority)
         request = Request(request_id, p.prompt, p.prompt_token_ids, p.params)
         seq = Sequence(next(self._seq_ids), p.prompt_token_ids)
-        seq.seats = p.params.n  # its forks take their seats when the prompt is done
+        seq.seats, seq.priority = p.params.n, priority  # forks take the seats after the prompt
         self.outputs.new_sample(request, seq, 0)
         self.requests[request_id] = request
         self.scheduler.add(seq)

@@ -49,10 +49,13 @@ class Processor:
         params: SamplingParams | None,
         request_id: str = "",
         in_use: Container[str] = (),
+        priority: int = 0,
     ) -> ProcessedRequest:
-        """Validate a request: its id (a str not ``in_use``), prompt and params."""
+        """Validate a request: its id (a str not ``in_use``), prompt, params and priority."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params

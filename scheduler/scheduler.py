@@ -2,13 +2,17 @@
 
 Pure bookkeeping over ``Sequence`` objects and the ``BlockManager``; no tensors, no model.
 Each step: running decodes first (1 token + up to k lookahead slots for speculation), then
-running prompts that are part-way through a chunked prefill, then FCFS admission of waiting
-prompts, all under ``max_num_seqs`` and ``max_num_batched_tokens``. When a decode cannot get
-a block, the youngest running sequence is preempted by recompute.
+running prompts that are part-way through a chunked prefill, then admission of waiting
+prompts in order, all under ``max_num_seqs`` and ``max_num_batched_tokens``. When a decode
+cannot get a block, the last running sequence in that order is preempted by recompute.
+
+The order: arrival ("fcfs"), or (priority, arrival) under the "priority" policy (vLLM's: a
+lower value first); a preempted sequence rejoins the waiting queue at its place in it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,11 +23,19 @@ from scheduler.sequence import Sequence, SequenceStatus
 RUNNING = SequenceStatus.RUNNING
 
 
+POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # POLICIES
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.policy!r}")
 
 
 class ScheduledSequence:
@@ -92,7 +104,7 @@ class Scheduler:
     # --- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
 
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted) and release its blocks."""
@@ -124,6 +136,8 @@ class Scheduler:
                 seq
             )
 
+        if self.config.policy == "priority":  # so a victim is never one already scheduled
+            decoding.sort(key=self._key)
         for seq in decoding:
             if budget == 0:
                 break
@@ -195,6 +209,7 @@ class Scheduler:
         blocks, copy-on-write, and takes one of the seats ``parent`` held for its forks (n forks
         later it holds 1)."""
         child = Sequence(child_id, parent.token_ids)
+        child.priority = parent.priority
         parent.seats -= 1
         child.num_computed_tokens = parent.num_computed_tokens
         self.block_manager.fork(parent.seq_id, child_id)
@@ -213,7 +228,7 @@ class Scheduler:
             try:
                 cow = self.block_manager.reserve(seq.seq_id, seq.num_computed_tokens + num_tokens)
             except NoFreeBlocksError:  # nothing changed: make room and try again
-                victim = self.running[-1]
+                victim = self._last_running()
                 self._preempt(victim, out)
                 if victim is seq:
                     return False
@@ -228,6 +243,26 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority, seq.seq_id) if self.config.policy == "priority" else (0, seq.seq_id)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """FCFS: a new sequence at the back, a preempted one at the front; by priority: each
+        at its place by (priority, arrival)."""
+        if self.config.policy == "priority":
+            keys = [self._key(s) for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, self._key(seq)), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _last_running(self) -> Sequence:
+        """Who is preempted first: the youngest (FCFS), else the lowest priority, youngest."""
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=self._key)

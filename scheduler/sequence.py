@@ -29,6 +29,7 @@ class Sequence:
         "num_computed_tokens",
         "status",
         "seats",
+        "priority",
         "owner",
     )
 
@@ -41,6 +42,8 @@ class Sequence:
         # Slots of max_num_seqs this sequence holds: n for a prompt that will fork into n
         # samples once its prefill is done, then 1 for each of them.
         self.seats = 1
+        # Under the "priority" policy: lower goes first (ties: the older sequence, lower id).
+        self.priority = 0
         # The engine's record of this sequence (its request, sampling params and drafter state);
         # opaque here. It rides along with every ScheduledSequence: nothing below asks up.
         self.owner: Any = None

@@ -10,6 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.config import SCHEDULING_POLICIES
+from scheduler.scheduler import POLICIES
 
 PROMPTS = [
     "The quick brown fox",
@@ -428,3 +430,32 @@ def test_abort_everything_under_preemption_frees_every_block(tiny_llama):
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks == 10
     assert stats.num_running == stats.num_waiting == 0
+
+
+def test_priority_scheduling_serves_lower_values_first(tiny_llama):
+    """scheduling_policy="priority": one seat, three requests; they finish in priority order
+    (ties by arrival), each with the tokens it makes alone; a bad priority is a ValueError."""
+    assert SCHEDULING_POLICIES == POLICIES  # the engine's option, the scheduler's values
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineConfig(model=tiny_llama, scheduling_policy="lifo")
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=32, max_num_seqs=1,
+                                    scheduling_policy="priority"))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        engine.add_request("bad", "x", params, priority="high")
+    for request_id, priority in (("a", 5), ("b", 0), ("c", 9), ("d", 0)):
+        engine.add_request(request_id, PROMPTS[0], params, priority)
+    order, tokens = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                tokens[out.request_id] = out.outputs[0].token_ids
+    assert order == ["b", "d", "a", "c"]
+    alone = LLM(tiny_llama, num_kv_blocks=32).generate(PROMPTS[0], params, use_tqdm=False)
+    assert all(t == alone[0].outputs[0].token_ids for t in tokens.values())
+    llm = LLM(tiny_llama, num_kv_blocks=32, max_num_seqs=1, scheduling_policy="priority")
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False, priority=[3, 1])
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    ]

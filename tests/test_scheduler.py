@@ -178,3 +178,41 @@ def test_a_prompt_that_will_fork_reserves_its_seats():
     sched.add(seq(2, 5))
     out = sched.schedule()
     assert [s.seq.seq_id for s in out.scheduled] == [0, 1]  # 3 + 1 seats: the third waits
+
+
+def test_priority_admits_by_priority_and_preempts_the_lowest_first():
+    """Under the "priority" policy (lower first, ties by arrival) the waiting queue is admitted
+    in that order, and a decode short of blocks preempts the lowest-priority running sequence,
+    which rejoins the queue at its place."""
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        SchedulerConfig(policy="lifo")
+    sched, bm = make(num_blocks=6, block_size=16, max_num_seqs=3, policy="priority")
+    seqs = [seq(i, 32) for i in range(4)]
+    for s, priority in zip(seqs, (5, 0, 9, 0), strict=True):
+        s.priority = priority
+        sched.add(s)
+    assert [s.seq_id for s in sched.waiting] == [1, 3, 0, 2]
+    out = run_step(sched)  # 3 seats: 1, 3 and 0 (6 blocks, all used)
+    assert [s.seq.seq_id for s in out.scheduled] == [1, 3, 0]
+    assert bm.num_free_blocks() == 0
+    out = run_step(sched)  # 1 needs a block: 0 (priority 5) goes, though 3 is younger
+    assert [p.seq_id for p in out.preempted] == [0]
+    assert [s.seq.seq_id for s in out.scheduled] == [1, 3]
+    assert [s.seq_id for s in sched.waiting] == [0, 2]  # 0 ahead of 2, by priority
+
+
+def test_priority_decodes_in_priority_order_so_a_victim_is_never_scheduled():
+    """A high-priority sequence admitted after a low-priority one: its decode, short of a
+    block, preempts the older low-priority one, which this step had not scheduled yet."""
+    sched, bm = make(num_blocks=4, block_size=16, max_num_batched_tokens=64, policy="priority")
+    low, high = seq(0, 24), seq(1, 32)
+    low.priority, high.priority = 7, 1
+    sched.add(low)
+    run_step(sched)
+    sched.add(high)
+    run_step(sched)  # low decodes in its second block, high's prompt fills the other two
+    assert bm.num_free_blocks() == 0
+    out = run_step(sched)  # high's decode needs a block first: low goes before it is scheduled
+    assert [p.seq_id for p in out.preempted] == [0]
+    assert [s.seq.seq_id for s in out.scheduled] == [1]
+    assert all(s.seq.status is SequenceStatus.RUNNING for s in out.scheduled)

@@ -256,6 +256,8 @@ def test_errors(server):
     _error(post("/v1/completions", json=ok | {"max_tokenz": 3}), 400, "max_tokenz")
     _error(post("/v1/completions", json=ok | {"n": 0}), 400, "n")
     _error(post("/v1/completions", json=ok | {"logprobs": -1}), 400, "logprobs")
+    assert post("/v1/completions", json=ok | {"priority": 2}).status_code == 200  # fcfs: no effect
+    _error(post("/v1/completions", json=ok | {"priority": "high"}), 400, "priority")
     _error(post("/v1/completions", json=ok | {"prompt": [7] * MAX_MODEL_LEN}), 400, "prompt")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": " x" * MAX_MODEL_LEN}]}
     _error(post("/v1/chat/completions", json=chat), 400, "messages")

@@ -98,10 +98,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             )
 
     async def start(
-        prompts: list[PromptType], params: SamplingParams, renamed: dict[str, str]
+        prompts: list[PromptType], params: SamplingParams, renamed: dict[str, str], priority: int
     ) -> RequestGroup:
         try:
-            return await RequestGroup.start(engine, metrics, prompts, params)
+            return await RequestGroup.start(engine, metrics, prompts, params, priority)
         except ValueError as e:
             raise bad_request(e, renamed) from None
         except Exception as e:  # noqa: BLE001 - queue full, shutting down
@@ -127,7 +127,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         prompts = completion_prompts(tokenizer, body.prompt)
         lens = [len(p["prompt_token_ids"]) for p in prompts if not isinstance(p, str)]
         check_context(max_model_len, lens, params.max_tokens, "max_tokens")
-        group = await start(prompts, params, body.renamed_fields())
+        group = await start(prompts, params, body.renamed_fields(), body.priority)
         return await respond(
             request,
             group,
@@ -144,7 +144,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         prompt = chat_prompt(tokenizer, body)
         lens = [len(prompt["prompt_token_ids"])]
         check_context(max_model_len, lens, params.max_tokens, max_tokens_field(body))
-        group = await start([prompt], params, renamed)
+        group = await start([prompt], params, renamed, body.priority)
         return await respond(
             request,
             group,

@@ -75,6 +75,7 @@ class _Add:
     params: SamplingParams
     mailbox: OutputMailbox
     done: concurrent.futures.Future
+    priority: int = 0
 
 
 class AsyncEngine:
@@ -110,7 +111,12 @@ class AsyncEngine:
             return self._stats.num_waiting + self._pending_adds
 
     async def add(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, mailbox: OutputMailbox
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        mailbox: OutputMailbox,
+        priority: int = 0,
     ) -> None:
         """Add a request whose outputs (or an exception) will be left in ``mailbox``. Raises
         ValueError (the engine rejected it), QueueFullError or EngineDeadError. Cancelled
@@ -122,7 +128,7 @@ class AsyncEngine:
             if self._stats.num_waiting + self._pending_adds >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting")
             self._pending_adds += 1
-            self._commands.append(_Add(request_id, prompt, params, mailbox, done))
+            self._commands.append(_Add(request_id, prompt, params, mailbox, done, priority))
             self._wake.notify()
         try:
             await asyncio.wrap_future(done)
@@ -197,7 +203,9 @@ class AsyncEngine:
                 continue
             self._pending_adds -= 1
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self.engine.add_request(
+                    command.request_id, command.prompt, command.params, command.priority
+                )
             except Exception as error:  # noqa: BLE001 - handed to the request's handler
                 command.done.set_exception(error)
                 continue

@@ -13,6 +13,7 @@ from engine.config import (
     KV_CACHE_DTYPES,
     METHOD_DEFAULTS,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     EngineConfig,
     SpeculativeConfig,
@@ -29,6 +30,7 @@ API_KEY_ENV = "PAGEDSPEC_API_KEY"
 CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "load_format": ("auto", "dummy"),
+    "scheduling_policy": SCHEDULING_POLICIES,
     "method": SPECULATIVE_METHODS,
     "quantization": tuple(q for q in QUANTIZATIONS if q),
     "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -43,6 +45,8 @@ HELP = {
     "max_model_len": "longest sequence (default: the model's context length)",
     "seed": "engine seed (unseeded requests)",
     "num_threads": NUM_THREADS_HELP,
+    "scheduling_policy": "fcfs, or priority: by each request's priority (lower first), "
+    "preempting the lowest first",
     "quantization": "weight-only quantisation, CPU float32 (int8: Q8_0, q4_1: Q4_1; default none)",
     "kv_cache_memory": "bytes for the KV cache when --num-kv-blocks is not given",
     "kv_cache_dtype": "KV cache dtype: auto (the model's), or float16/bfloat16 under a float32 "

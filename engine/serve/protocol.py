@@ -74,6 +74,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # under --scheduling-policy priority: lower first
     # OpenAI's constraint, or vLLM's extra (StructuredOutputsParams' fields): one at most
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

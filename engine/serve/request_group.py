@@ -46,6 +46,7 @@ class RequestGroup:
         metrics: ServerMetrics,
         prompts: Sequence[PromptType],
         params: SamplingParams,
+        priority: int = 0,
     ) -> RequestGroup:
         """Add one engine request per prompt; if any is rejected, abort the others and raise
         the first rejection (ValueError, QueueFullError, EngineDeadError)."""
@@ -53,7 +54,7 @@ class RequestGroup:
         group = cls(engine, metrics, [f"{base}-{i}" for i in range(len(prompts))], params.n)
         now = time.perf_counter()
         adds = [
-            engine.add(rid, prompt, params, group.mailbox)
+            engine.add(rid, prompt, params, group.mailbox, priority)
             for rid, prompt in zip(group.request_ids, prompts, strict=True)
         ]
         added = await asyncio.gather(*adds, return_exceptions=True)
