@@ -97,16 +97,23 @@ def words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmasks(matcher: Any, drafts: Sequence[int], out: np.ndarray) -> None:
+def fill_bitmasks(
+    matcher: Any, drafts: Sequence[int], out: np.ndarray, known: np.ndarray | None = None
+) -> None:
     """Row j of ``out`` (int32 [1 + len(drafts), words]) := what follows ``drafts[:j]``. Past
     the first draft the constraint refuses, rows allow everything: verification rejects that
-    draft, so they are never read. ``matcher`` itself does not move (a copy walks the drafts:
-    rolling back over an EOS that completed the constraint is not exact)."""
+    draft, so they are never read. ``known``: rows 0 .. len(drafts) - 1 already computed (by
+    the drafter, which drew the drafts under them). ``matcher`` itself does not move (a copy
+    walks the drafts: rolling back over an EOS that completed the constraint is not exact)."""
     valid = matcher.validate_tokens(list(drafts)) if drafts else 0
     walker = matcher.deep_copy() if valid else matcher
     out[valid + 1 :] = -1
+    reuse = known is not None and len(known) == len(drafts) == valid
+    if reuse:
+        out[:valid] = known
     for j in range(valid + 1):
-        walker.unsafe_compute_mask_ptr(out[j].ctypes.data, out.shape[1] * 4)
+        if not reuse or j == valid:
+            walker.unsafe_compute_mask_ptr(out[j].ctypes.data, out.shape[1] * 4)
         if j < valid and not walker.consume_token(drafts[j]):
             raise RuntimeError(f"the grammar refused draft {drafts[j]} it had validated")
 
@@ -120,14 +127,14 @@ class BitmaskFiller:
         self.threads = threads
         self._executor: Any = None  # made on first use
 
-    def fill(self, rows: list[tuple[Any, Sequence[int]]], out: np.ndarray) -> None:
-        """``rows[i]`` = (a matcher, the drafts after it): its 1 + len(drafts) rows of ``out``
-        (int32), one after the other."""
+    def fill(self, rows: list[tuple[Any, Sequence[int], Any]], out: np.ndarray) -> None:
+        """``rows[i]`` = (a matcher, the drafts after it, the drafter's bitmasks for them or
+        None): its 1 + len(drafts) rows of ``out`` (int32), one after the other."""
         first: dict[int, int] = {}  # matcher id -> its committed row
         parallel, copies, at = [], [], 0
-        for matcher, drafts in rows:
+        for matcher, drafts, known in rows:
             if drafts:
-                fill_bitmasks(matcher, drafts, out[at : at + 1 + len(drafts)])
+                fill_bitmasks(matcher, drafts, out[at : at + 1 + len(drafts)], known)
             elif id(matcher) in first:
                 copies.append((at, first[id(matcher)]))
             else:
@@ -151,13 +158,6 @@ def refused(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
     """bool [rows, vocab_size]: True where a row's bitmask refuses the token."""
     unpacked = np.unpackbits(np.invert(bits).view(np.uint8), axis=1, bitorder="little")
     return torch.from_numpy(unpacked[:, :vocab_size].view(np.bool_))
-
-
-def refused_next(matcher: Any, vocab_size: int) -> torch.Tensor:
-    """bool [vocab_size]: the tokens ``matcher`` refuses next."""
-    bits = np.empty((1, words(vocab_size)), np.int32)
-    fill_bitmasks(matcher, (), bits)
-    return refused(bits, vocab_size)[0]
 
 
 def consume(matcher: Any, token_ids: Sequence[int]) -> None:

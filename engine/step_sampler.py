@@ -45,6 +45,7 @@ class SampleJob(NamedTuple):
     drafts: Sequence[int] = ()
     draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
     grammar: Any = None  # the sample's matcher at its committed tokens (engine.grammar)
+    grammar_bits: Any = None  # the drafter's bitmasks for rows 0 .. len(drafts) - 1, or None
 
     @property
     def num_rows(self) -> int:
@@ -226,7 +227,7 @@ def _mask_grammar(
         return rows
     total = sum(job.num_rows for job, _ in constrained)
     bits = np.empty((total, words(rows.shape[-1])), np.int32)
-    bitmasks.fill([(job.grammar, job.drafts) for job, _ in constrained], bits)
+    bitmasks.fill([(job.grammar, job.drafts, job.grammar_bits) for job, _ in constrained], bits)
     bad = refused(bits, rows.shape[-1]).to(rows.device)
     if rows is raw and any(job.params.logprobs is not None for job, _ in constrained):
         rows = rows.clone()

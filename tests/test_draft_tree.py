@@ -113,10 +113,10 @@ def test_leaves_go_where_their_paths_are_likeliest_within_each_sequences_slots()
     token 1: 0.5 * 0.9 * 0.35 = 0.1575. Two leaves: depth 1's token 1 and depth 3's token 1,
     not depth 1's second choice. Each sequence takes at most its leaf slots, and only depths its
     chain reaches."""
-    drafts, _, trees = _draft_by_depth(_scheduled(4), [3, 3, 1, 3], 2, [2, 1, 2, 0])
+    drafts, _, trees, _ = _draft_by_depth(_scheduled(4), [3, 3, 1, 3], 2, [2, 1, 2, 0])
     assert drafts == [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 2], [0, 0, 0]]
     assert trees == {0: DraftTree(3, (1, 3)), 1: DraftTree(3, (1,)), 2: DraftTree(1, (1, 1))}
-    drafts, _, trees = _draft_by_depth(_scheduled(1), [3], 4, [4])
+    drafts, _, trees, _ = _draft_by_depth(_scheduled(1), [3], 4, [4])
     assert drafts == [[0, 0, 0, 1, 2, 1, 2]]  # then depth 3's token 2 (0.0675) over depth 1's 3
     assert trees == {0: DraftTree(3, (1, 1, 3, 3))}
 

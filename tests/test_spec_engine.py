@@ -206,7 +206,7 @@ def test_the_chain_stop_ends_greedy_and_sampled_chains_alike():
         spans = [Span([3], 2, 1, [0]) for _ in scheduled]
         written = {s.seq_id: (3, []) for s in seq}
         params = [SamplingParams(temperature=t) for t in (0.0, 0.8, 0.0)]
-        drafts, _, _ = chain_drafts(scheduled, ks, params, spans, forward, draw, written, stop)
+        drafts, *_ = chain_drafts(scheduled, ks, params, spans, forward, draw, written, stop)
         return [len(d) for d in drafts]
 
     assert chain_lengths(0.4, [4, 4, 4]) == [2, 2, 2]

@@ -8,9 +8,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from engine.grammar import refused_next
+from engine.grammar import fill_bitmasks, refused, words
 from engine.penalties import TokenHistory, apply_penalties
 from engine.sampler import SamplingBatch, processed_probs, sample_from_probs, seeded_generator
 from engine.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ def draw_drafts(
     rows: list[tuple[TokenHistory, int]],
     generator: torch.Generator,
     token_map: torch.Tensor | None = None,
-    grammars: list[Any] | None = None,
+    grammar_bits: list[np.ndarray | None] | None = None,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft id per row of a draft model's logits, with q (its distribution processed like
@@ -35,18 +36,18 @@ def draw_drafts(
     position); a seeded request draws from a generator of its own, seeded by (seed, position),
     so its drafts do not depend on the batch; the others share ``generator``.
     ``token_map``: the target id of each logit column (a reduced draft vocabulary).
-    ``grammars[i]``: row i's matcher, standing after the drafts before it (None: unconstrained);
-    a row draws from the tokens it allows (all of them where none is in the draft's
-    vocabulary: that draft is then refused by the target's mask). ``vocab_size``: the target's
-    (default: the logits' width)."""
+    ``grammar_bits[i]``: the bitmask (int32 words, ``engine.grammar``) of what row i's
+    constraint allows after the drafts before it (None: unconstrained); a row draws from those
+    tokens (from all where none is in the draft's vocabulary: that draft is then refused by the
+    target's mask). ``vocab_size``: the target's (default: the logits' width)."""
     params = [h.params for h, _ in rows]
     # q only sets the acceptance rate (p is penalised exactly in the step sampler); penalising
     # it too keeps the drafts close to what the target will accept
     penalised = apply_penalties(logits, [h for h, _ in rows], token_map)
-    for i, grammar in enumerate(grammars or ()):
-        if grammar is None:
+    for i, bits in enumerate(grammar_bits or ()):
+        if bits is None:
             continue
-        bad = refused_next(grammar, vocab_size or logits.shape[-1])
+        bad = refused(bits[None], vocab_size or logits.shape[-1])[0]
         bad = bad[token_map] if token_map is not None else bad
         if not bad.all():
             penalised = penalised.clone() if penalised is logits else penalised
@@ -69,7 +70,8 @@ def draw_drafts(
 
 
 Forward = Callable[[list[Span], list[int]], torch.Tensor]
-# (logits, rows, each row's matcher or None) -> (drafts, q): draw_drafts on a drafter's logits
+# (logits, rows, each row's constraint bitmask or None) -> (drafts, q): draw_drafts on a
+# drafter's logits
 Draw = Callable[
     [torch.Tensor, list[tuple[TokenHistory, int]], list[Any]], tuple[list[int], torch.Tensor | None]
 ]
@@ -90,7 +92,8 @@ def chain_drafts(
     leaves: int = 0,
     alternatives: Alternatives | None = None,
     leaf_slots: list[int] | None = None,
-) -> tuple[list[list[int]], list[torch.Tensor | None], dict[int, DraftTree]]:
+    vocab_size: int = 0,
+) -> tuple[list[list[int]], list[torch.Tensor | None], dict[int, DraftTree], dict[int, np.ndarray]]:
     """Chain drafting shared by the draft model and the EAGLE head: ``forward(spans, owners)``
     runs the drafter (``owners[j]`` = the scheduled index of span j; the first call gets
     ``spans``, one per scheduled sequence, with a logit row for each drafting one), ``draw``
@@ -103,8 +106,9 @@ def chain_drafts(
     (other than the chain's draft there), each scored by its path's probability, the product of
     the chain's top-1 probabilities above it times its own, and the best-scored are kept (ties:
     the shallower, then the higher-ranked). Returns the drafts (the chain, then any leaves by
-    depth), per sequence q stacked where the chain was sampled (None where argmax), and the
-    trees."""
+    depth), per sequence q stacked where the chain was sampled (None where argmax), the trees,
+    and per constrained sequence the bitmasks its chain was drawn under (row t: after its
+    first t drafts; ``vocab_size`` wide, the target's), which verification reuses."""
     drafts: list[list[int]] = [[] for _ in scheduled]
     # per sequence: (-score, depth, rank, token) of each leaf candidate
     candidates: list[list[tuple[float, int, int, int]]] = [[] for _ in scheduled]
@@ -118,13 +122,19 @@ def chain_drafts(
         None if not k or (g := s.seq.owner.grammar) is None else g.deep_copy()
         for s, k in zip(scheduled, ks, strict=True)
     ]
+    bits: dict[int, list[np.ndarray]] = {i: [] for i, g in enumerate(grammars) if g is not None}
     with_leaves = bool(leaves) and alternatives is not None and leaf_slots is not None
     logits = forward(spans, list(range(len(spans))))
     step = 0
     while active:
         rows = [(_history(scheduled[i], params[i], drafts[i]), scheduled[i].start + 1 + step)
                 for i in active]  # fmt: skip
-        tokens, q = draw(logits, rows, [grammars[i] for i in active])
+        for i in active:
+            if i in bits:
+                row = np.empty((1, words(vocab_size)), np.int32)
+                fill_bitmasks(grammars[i], (), row)
+                bits[i].append(row[0])
+        tokens, q = draw(logits, rows, [bits[i][-1] if i in bits else None for i in active])
         if with_leaves or any(stop[i] > 0 for i in active):
             head_probs = torch.softmax(logits.float(), -1)
             if with_leaves:
@@ -167,7 +177,7 @@ def chain_drafts(
         if kept:
             trees[i] = DraftTree(len(drafts[i]), tuple(depth for _, depth, _, _ in kept))
             drafts[i] = drafts[i] + [token for *_, token in kept]
-    return drafts, sampled, trees
+    return drafts, sampled, trees, {i: np.stack(rows) for i, rows in bits.items() if rows}
 
 
 def _history(s: ScheduledSequence, params: SamplingParams, drafts: list[int]) -> TokenHistory:

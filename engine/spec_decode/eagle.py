@@ -140,14 +140,16 @@ class EagleProposer:
             return logits
 
         first_features = torch.cat(features)
-        chains, qs, trees = chain_drafts(
+        chains, qs, trees, bits = chain_drafts(
             [scheduled[i] for i in fed], [ks[i] for i in fed], [params[i] for i in fed],
             spans, forward, self._draw, written, self.chain_stop,
             self.leaves, self._alternatives, [(leaf_slots or [0] * len(ks))[i] for i in fed],
+            self.target_vocab_size,
         )  # fmt: skip
         for i, chain, q in zip(fed, chains, qs, strict=True):
             drafts[i], sampled[i] = chain, q
-        return Proposal(drafts, sampled, written, {fed[j]: tree for j, tree in trees.items()})
+        return Proposal(drafts, sampled, written, {fed[j]: tree for j, tree in trees.items()},
+                        {fed[j]: rows for j, rows in bits.items()})  # fmt: skip
 
     def _features(self, state: DraftState | None, start: int, end: int) -> torch.Tensor:
         """feature_{i-1} for positions i in [start, end): stored ones, zeros where unknown."""
@@ -164,13 +166,13 @@ class EagleProposer:
         return out
 
     def _draw(
-        self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]], grammars: list
+        self, logits: torch.Tensor, rows: list[tuple[TokenHistory, int]], grammar_bits: list
     ) -> tuple[list[int], torch.Tensor | None]:
         """Drafts over the draft vocabulary as target ids, with q over the target vocabulary
         (zero outside the draft vocabulary); None when every row is greedy."""
         d2t = self.head.d2t
         ids, q_draft = draw_drafts(
-            logits, rows, self.generator, d2t, grammars, self.target_vocab_size
+            logits, rows, self.generator, d2t, grammar_bits, self.target_vocab_size
         )
         if q_draft is None:
             return d2t[ids].tolist(), None

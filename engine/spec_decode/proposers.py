@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from engine.model_runner import ModelRunner
@@ -36,6 +37,9 @@ class Proposal:
     written: dict[int, tuple[int, list[int]]]
     # per scheduled index whose drafts are a tree (a chain, then leaves): its shape
     trees: dict[int, DraftTree] = field(default_factory=dict)
+    # per constrained scheduled index: the bitmasks its drafts were drawn under (row t: after
+    # drafts[:t]), which verification's rows 0 .. len(drafts) - 1 reuse (engine.grammar)
+    grammar_bits: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class TargetStep(NamedTuple):
@@ -169,14 +173,16 @@ class DraftModelProposer:
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
             return self.runner.forward(spans)
 
-        def draw(logits, rows, grammars):
-            ids, q = draw_drafts(logits, rows, self.generator, grammars=grammars)
+        vocab = self.runner.model.config.vocab_size  # the target's, as a draft model must have
+
+        def draw(logits, rows, grammar_bits):
+            ids, q = draw_drafts(logits, rows, self.generator, None, grammar_bits, vocab)
             return ids.tolist(), q
 
-        drafts, sampled, _ = chain_drafts(
-            scheduled, ks, params, spans, forward, draw, written, self.chain_stop
+        drafts, sampled, _, bits = chain_drafts(
+            scheduled, ks, params, spans, forward, draw, written, self.chain_stop, vocab_size=vocab
         )
-        return Proposal(drafts, sampled, written)
+        return Proposal(drafts, sampled, written, grammar_bits=bits)
 
     def commit(
         self,

@@ -140,7 +140,7 @@ class Speculation(NoSpeculation):
             first_rows[i] = row
             for index in (record.index,) if outputs else range(params.n):
                 jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q,
-                                      record.grammar))  # fmt: skip
+                                      record.grammar, proposal.grammar_bits.get(i)))  # fmt: skip
                 owners.append(i)
             row += span.num_logits
         results = by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
