@@ -58,13 +58,13 @@ class LLMEngine:
         request = Request(request_id, p.prompt, p.prompt_token_ids, p.params)
         seq = Sequence(next(self._seq_ids), p.prompt_token_ids)
         seq.seats, seq.priority = p.params.n, priority  # forks take the seats after the prompt
+        seq.reuses_cache = p.params.prompt_logprobs is None  # else every prompt row is needed
         self.outputs.new_sample(request, seq, 0)
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Finish the request with "abort" now (its blocks are free when this returns); its
-        final output comes with the next ``step``."""
+        """Finish it with "abort" now (blocks free at once); its output comes next step."""
         request = self.requests.get(request_id) if isinstance(request_id, str) else None
         if request is None:
             return False
@@ -136,6 +136,8 @@ class LLMEngine:
             record: SampleState = s.seq.owner
             request = record.request
             try:  # a prompt chunk has no result; a finished prompt of n samples has n
+                if i in round.prompt_logprobs:  # (its rows from s.start predict s.start + 1 on)
+                    request.add_prompt_logprobs(s.start + 1, round.prompt_logprobs[i])
                 records = self._fork(record, len(samples)) if len(samples) > 1 else (record,)
                 for sample, result in zip(records, samples or NO_RESULT, strict=True):
                     kept = append(sample, result.token_ids, result.logprobs)

@@ -125,6 +125,7 @@ class OutputProcessor:
             [_completion(request, s) for s in request.samples],
             request.finished if finished is None else finished,
             request.error,
+            None if request.prompt_logprobs is None else list(request.prompt_logprobs),
         )
 
 

@@ -34,6 +34,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set when a step failed on this request and the engine aborted it
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token
+    # {token id: logprob} (it and the top ones), as the prompt's prefill computed them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)

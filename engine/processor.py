@@ -98,8 +98,10 @@ class Processor:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name} must be in [0, {self.vocab_size}], got {value}")
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs)
 

@@ -77,6 +77,18 @@ class Request:
     params: SamplingParams  # the engine's private copy
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None  # why the engine aborted it, when a step failed on it
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # see RequestOutput
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first token follows nothing
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """``entries`` for prompt tokens first, first + 1, ...; those it has (a prompt
+        computed again after a preemption) are kept."""
+        known = len(self.prompt_logprobs)
+        if first <= known:
+            self.prompt_logprobs.extend(entries[known - first :])
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # per prompt token after the first: its logprob and the top ``prompt_logprobs`` (vLLM's);
+    # such a request computes its whole prompt (no prefix-cache hits)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this (engine.grammar): masked before penalties, temperature,
@@ -92,6 +95,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stops = self.stop or []

@@ -90,24 +90,25 @@ class BlockManager:
 
     # --- admission -------------------------------------------------------------------------
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], reuse: bool = True) -> bool:
         """Whether allocate() would succeed for a prompt of these tokens (prefix hits counted)."""
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
-        hits, _ = self._match(token_ids)
+        hits, _ = self._match(token_ids) if reuse else ([], [])
         return self._blocks_to_allocate(len(token_ids), hits) <= self._pool.num_free()
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], reuse: bool = True) -> int:
         """Create a sequence whose table covers len(token_ids) slots; return its cached tokens.
 
-        Reuses registered blocks for the longest cached prefix of full blocks, capped so that at
-        least one token is left to compute. The engine writes KV for positions [returned, len).
+        Reuses registered blocks for the longest cached prefix of full blocks (unless not
+        ``reuse``: its every token is computed), capped so that at least one token is left to
+        compute. The engine writes KV for positions [returned, len).
         """
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id} already exists")
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
-        hits, hashes = self._match(token_ids)
+        hits, hashes = self._match(token_ids) if reuse else ([], [])
         needed = self._blocks_to_allocate(len(token_ids), hits)
         if needed > self._pool.num_free():
             raise NoFreeBlocksError(

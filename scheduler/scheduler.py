@@ -167,10 +167,12 @@ class Scheduler:
             seats = sum(s.seats for s in self.running)
             if seats + seq.seats > self.config.max_num_seqs:
                 break
-            if not self.block_manager.can_allocate(seq.token_ids):
-                break  # FCFS: nobody overtakes the head of the queue
+            if not self.block_manager.can_allocate(seq.token_ids, seq.reuses_cache):
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = self.block_manager.allocate(
+                seq.seq_id, seq.token_ids, seq.reuses_cache
+            )
             self.num_prefix_cache_hit_tokens += seq.num_computed_tokens
             self.num_prefix_cache_query_tokens += len(seq.token_ids)
             seq.status = SequenceStatus.RUNNING

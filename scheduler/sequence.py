@@ -30,6 +30,7 @@ class Sequence:
         "status",
         "seats",
         "priority",
+        "reuses_cache",
         "owner",
     )
 
@@ -44,6 +45,9 @@ class Sequence:
         self.seats = 1
         # Under the "priority" policy: lower goes first (ties: the older sequence, lower id).
         self.priority = 0
+        # False: admitted without prefix-cache hits, every prompt position computed (a request
+        # that reports prompt logprobs needs their logits)
+        self.reuses_cache = True
         # The engine's record of this sequence (its request, sampling params and drafter state);
         # opaque here. It rides along with every ScheduledSequence: nothing below asks up.
         self.owner: Any = None

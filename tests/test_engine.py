@@ -459,3 +459,36 @@ def test_priority_scheduling_serves_lower_values_first(tiny_llama):
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)
     ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_batched_tokens": 8},  # the prompt in chunks of 8
+     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}],
+)  # fmt: skip
+def test_prompt_logprobs_match_hf_across_chunks_and_cache_hits(tiny_llama, options):
+    """prompt_logprobs: None, then per prompt token its logprob and the top 2, HF's float64
+    log_softmax at 1e-4; with the prompt in chunks; the same request again (its prompt is in
+    the prefix cache, which it does not use: every row is computed); n = 2."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, **options)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float64).eval()
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=2)
+    prompt = PROMPTS[1] * 3  # two full blocks and more: the second time they are cached
+    for _ in range(2):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        ids = out.prompt_token_ids
+        assert len(ids) > 32 and out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(ids)
+        with torch.no_grad():
+            exact = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        for p in range(1, len(ids)):
+            entry = out.prompt_logprobs[p]
+            assert set(entry) == set(exact[p - 1].topk(2).indices.tolist()) | {ids[p]}
+            for t, lp in entry.items():
+                assert lp == pytest.approx(float(exact[p - 1, t]), abs=1e-4), (p, t)
+        assert len(out.outputs) == 2 and all(len(c.token_ids) == 3 for c in out.outputs)
+    plain = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    assert llm.llm_engine.get_stats().num_prefix_cache_hit_tokens >= 32  # the cache was there
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.request import SampleState
-from engine.sampler import argmax_rows
+from engine.sampler import argmax_rows, token_logprobs
 from engine.spans import Span
 from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.rejection import verify_deterministic_drafts
@@ -46,6 +46,9 @@ class Round:
     # and the span index of a draft-tree leaf whose token was emitted
     features: list[torch.Tensor | None] | None = None
     leaf_hits: dict[int, int] = dataclasses.field(default_factory=dict)
+    # set by verify: per scheduled index whose request reports prompt logprobs, its entries for
+    # the prompt tokens from position start + 1 on (engine.request.Request.add_prompt_logprobs)
+    prompt_logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
 
 
 class NoSpeculation:
@@ -65,7 +68,7 @@ class NoSpeculation:
 
     def prepare(self, sched: SchedulerOutput) -> Round:
         spans = [
-            Span(s.seq.token_ids[s.start : s.end], s.start, 1 if s.samples else 0, s.block_table)
+            Span(s.seq.token_ids[s.start : s.end], s.start, logit_rows(s), s.block_table)
             for s in sched.scheduled
         ]
         return Round(sched.scheduled, spans)
@@ -82,12 +85,15 @@ class NoSpeculation:
                 continue
             record: SampleState = s.seq.owner
             params, outputs = record.request.params, len(s.seq.token_ids) - s.seq.num_prompt_tokens
+            sampling_row = row + keep_prompt_logprobs(round, i, output, row)
+            row += span.num_logits
+            if not s.samples:  # a prompt chunk that only reports prompt logprobs
+                continue
             # (a finished prompt feeds all n samples at once)
             for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row,
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, sampling_row,
                                       grammar=record.grammar))  # fmt: skip
                 owners.append(i)
-            row += span.num_logits
         return by_owner(len(round.scheduled), owners, self.sampler(output, jobs))
 
     def commit(
@@ -139,6 +145,33 @@ def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]]
     if len(owners) == len(round.scheduled):  # every span samples: no grouping to do
         return [[SampleResult(e, None)] for e in emitted]
     return by_owner(len(round.scheduled), owners, [SampleResult(e, None) for e in emitted])
+
+
+def prompt_rows(s: ScheduledSequence) -> int:
+    """Rows of ``s``'s span that predict prompt tokens, kept for a request that reports prompt
+    logprobs and does not have them all yet: positions start .. min(end, prompt) - 2."""
+    request = s.seq.owner.request
+    if request.prompt_logprobs is None or len(request.prompt_logprobs) >= s.seq.num_prompt_tokens:
+        return 0
+    return max(0, min(s.end, s.seq.num_prompt_tokens - 1) - s.start)
+
+
+def logit_rows(s: ScheduledSequence, drafts: int = 0) -> int:
+    """The span's logit rows (its last tokens'): prompt rows, then the sampling row and one
+    per draft where the step samples."""
+    return prompt_rows(s) + (1 + drafts if s.samples else 0)
+
+
+def keep_prompt_logprobs(round: Round, i: int, logits: torch.Tensor, row: int) -> int:
+    """Record span i's prompt logprobs (its rows from ``row``) in the round; returns how many
+    rows they took (its sampling rows follow)."""
+    s = round.scheduled[i]
+    n = prompt_rows(s)
+    if n:
+        k = s.seq.owner.request.params.prompt_logprobs
+        predicted = s.seq.token_ids[s.start + 1 : s.start + 1 + n]
+        round.prompt_logprobs[i] = token_logprobs(logits[row : row + n], predicted, k)
+    return n
 
 
 def by_owner(num: int, owners: list[int], results: list[SampleResult]) -> list[list[SampleResult]]:

@@ -16,7 +16,14 @@ from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.draft_state import DraftState
 from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
-from engine.spec_decode.round import NoSpeculation, Round, by_owner, greedy_round
+from engine.spec_decode.round import (
+    NoSpeculation,
+    Round,
+    by_owner,
+    greedy_round,
+    keep_prompt_logprobs,
+    logit_rows,
+)
 from engine.spec_decode.tree import sample_at_leaves, tree_slots
 from engine.step_sampler import SampleJob, SampleResult, StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
@@ -79,7 +86,7 @@ class Speculation(NoSpeculation):
             Span(
                 s.seq.token_ids[s.start : s.end] + drafts,
                 s.start,
-                1 + len(drafts) if s.samples else 0,
+                logit_rows(s, len(drafts)),
                 s.block_table,
                 tree.parents if (tree := proposal.trees.get(i)) else None,
             )
@@ -137,12 +144,14 @@ class Speculation(NoSpeculation):
             drafts, q = proposal.drafts[i], proposal.draft_probs[i]
             if (tree := proposal.trees.get(i)) is not None:  # the chain is verified as one
                 drafts = drafts[: tree.chain]
-            first_rows[i] = row
+            first_rows[i] = first = row + keep_prompt_logprobs(round, i, logits, row)
+            row += span.num_logits
+            if not s.samples:  # a prompt chunk that only reports prompt logprobs
+                continue
             for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, row, drafts, q,
+                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, first, drafts, q,
                                       record.grammar, proposal.grammar_bits.get(i)))  # fmt: skip
                 owners.append(i)
-            row += span.num_logits
         results = by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
         if proposal.trees:
             round.leaf_hits = sample_at_leaves(
