@@ -359,6 +359,32 @@ def test_metrics_parse(server):
     assert not [name for name in m if "_created" in name]  # vLLM leaves those series out
 
 
+def test_echo_and_prompt_logprobs(server, llm):
+    """echo puts the prompt (and, with logprobs, its logprobs: none for its first token) before
+    the completion; vLLM's prompt_logprobs come per prompt token, as the offline engine's."""
+    body = {"model": MODEL, "prompt": "The quick brown", "max_tokens": 3, "temperature": 0}
+    offline = llm.generate("The quick brown", greedy(max_tokens=3, prompt_logprobs=2),
+                           use_tqdm=False)[0]  # fmt: skip
+    r = server.http.post("/v1/completions", json=body | {"echo": True, "logprobs": 1}).json()
+    choice = r["choices"][0]
+    assert choice["text"] == "The quick brown" + offline.outputs[0].text
+    lp = choice["logprobs"]
+    num_prompt = len(offline.prompt_token_ids)
+    assert len(lp["tokens"]) == num_prompt + 3 and lp["token_logprobs"][0] is None
+    for got, entry, token in zip(lp["token_logprobs"][1:num_prompt], offline.prompt_logprobs[1:],
+                                 offline.prompt_token_ids[1:], strict=True):  # fmt: skip
+        assert got == pytest.approx(entry[token], abs=1e-5)
+    r = server.http.post("/v1/completions", json=body | {"prompt_logprobs": 2}).json()
+    listed = r["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == num_prompt
+    for entry, expected in zip(listed[1:], offline.prompt_logprobs[1:], strict=True):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(expected, abs=1e-5)
+    streamed = server.client.completions.create(model=MODEL, prompt="The quick brown",
+                                                max_tokens=3, temperature=0, echo=True,
+                                                stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == choice["text"]
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "k": {"enum": ["x", "y"]}},

@@ -133,7 +133,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             group,
             body.stream,
             lambda: completions.stream(group, body, params),
-            lambda: completions.full(group, params),
+            lambda: completions.full(group, body, params),
         )
 
     @app.post("/v1/chat/completions")

@@ -13,7 +13,7 @@ from typing import Any
 from engine.outputs import RequestOutput
 from engine.processor import PromptType, encode_prompt
 from engine.sampling_params import SamplingParams
-from engine.serve.logprobs import completion_logprobs
+from engine.serve.logprobs import completion_logprobs, prompt_logprobs
 from engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from engine.serve.request_group import RequestGroup
 from engine.serve.serving import (
@@ -49,6 +49,10 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     kwargs = req.sampling_kwargs() | {"max_tokens": req.max_tokens}
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
+    # an echoed prompt comes with its own logprobs when the completion's are asked for
+    wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    if wanted:
+        kwargs["prompt_logprobs"] = max(wanted)
     return sampling_params(kwargs, req.renamed_fields())
 
 
@@ -56,16 +60,23 @@ class Completions:
     def __init__(self, tokenizer: Any, model_name: str) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
 
-    async def full(self, group: RequestGroup, params: SamplingParams) -> CompletionResponse:
+    async def full(
+        self, group: RequestGroup, req: CompletionRequest, params: SamplingParams
+    ) -> CompletionResponse:
         outputs = await group.final_outputs()
         check_complete(outputs)
-        choices = [
-            self._choice(
-                i * params.n + c.index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason
-            )
-            for i, out in enumerate(outputs)
-            for c in out.outputs
-        ]
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                text, ids, lps = c.text, c.token_ids, c.logprobs
+                if req.echo:  # the prompt, then the completion (logprobs likewise)
+                    text = self.tokenizer.decode(out.prompt_token_ids) + text
+                    if lps is not None:
+                        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+                choice = self._choice(i * params.n + c.index, text, ids, lps, 0, c.finish_reason)
+                if req.prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs(self.tokenizer, out.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}",
@@ -89,7 +100,7 @@ class Completions:
         def events(out: RequestOutput) -> Iterator[str]:
             base = group.request_ids.index(out.request_id) * params.n
             choices = [
-                self._delta_choice(base + c.index, d)
+                self._delta_choice(base + c.index, d, out if req.echo and d.first else None)
                 for c in out.outputs
                 if (d := deltas.next(out.request_id, c)) is not None
             ]
@@ -99,8 +110,16 @@ class Completions:
         with_usage = (lambda u: response([], usage=u)) if req.include_usage else None
         return sse_stream(group.outputs(), events, with_usage)
 
-    def _delta_choice(self, index: int, d: Delta) -> CompletionChoice:
-        return self._choice(index, d.text, d.token_ids, d.logprobs, d.text_offset, d.finish_reason)
+    def _delta_choice(
+        self, index: int, d: Delta, echoed: RequestOutput | None = None
+    ) -> CompletionChoice:
+        """The choice's news; the first of an echoing request's starts with its prompt."""
+        text, ids, lps = d.text, d.token_ids, d.logprobs
+        if echoed is not None:
+            text = self.tokenizer.decode(echoed.prompt_token_ids) + text
+            if lps is not None:
+                ids, lps = echoed.prompt_token_ids + ids, echoed.prompt_logprobs + lps
+        return self._choice(index, text, ids, lps, d.text_offset, d.finish_reason)
 
     def _choice(
         self,

@@ -17,9 +17,10 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 
 
 def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+    tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int
 ) -> CompletionLogprobs:
-    """``offset``: characters of the choice's text before these tokens (for ``text_offset``)."""
+    """``offset``: characters of the choice's text before these tokens (for ``text_offset``);
+    an entry None (an echoed prompt's first token) has no logprob."""
     tokens, offsets = [], []
     for t in token_ids:
         tokens.append(token_text(tokenizer, t))
@@ -27,12 +28,31 @@ def completion_logprobs(
         offset += len(tokens[-1])
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[entry[t] for t, entry in zip(token_ids, logprobs, strict=True)],
+        token_logprobs=[
+            None if entry is None else entry[t]
+            for t, entry in zip(token_ids, logprobs, strict=True)
+        ],
         top_logprobs=[
-            {token_text(tokenizer, i): lp for i, lp in entry.items()} for entry in logprobs
+            None if entry is None else {token_text(tokenizer, i): lp for i, lp in entry.items()}
+            for entry in logprobs
         ],
         text_offset=offsets,
     )
+
+
+def prompt_logprobs(
+    tokenizer: Any, entries: list[dict[int, float] | None]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a completion choice."""
+    return [
+        None
+        if entry is None
+        else {
+            str(i): {"logprob": lp, "decoded_token": token_text(tokenizer, i)}
+            for i, lp in entry.items()
+        }  # fmt: skip
+        for entry in entries
+    ]
 
 
 def chat_logprobs(

@@ -118,6 +118,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt before the completion (and its logprobs, with logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
 
 
 class ContentPart(BaseModel):
@@ -181,8 +183,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -191,6 +193,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (None for the first), {token id: {logprob, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
