@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, SpeculativeConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+    from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
     from engine.sampling_params import RequestOutputKind, SamplingParams
     from engine.structured_params import StructuredOutputsParams
 
@@ -23,6 +23,7 @@ _MODULES = {
     "EngineConfig": "engine.config",
     "EngineStats": "engine.outputs",
     "LLMEngine": "engine.llm_engine",
+    "Logprob": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
@@ -35,6 +36,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
+    "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -137,7 +137,7 @@ class LLMEngine:
             request = record.request
             try:  # a prompt chunk has no result; a finished prompt of n samples has n
                 if i in round.prompt_logprobs:  # (its rows from s.start predict s.start + 1 on)
-                    request.add_prompt_logprobs(s.start + 1, round.prompt_logprobs[i])
+                    self.outputs.add_prompt_logprobs(request, s.start + 1, round.prompt_logprobs[i])
                 records = self._fork(record, len(samples)) if len(samples) > 1 else (record,)
                 for sample, result in zip(records, samples or NO_RESULT, strict=True):
                     kept = append(sample, result.token_ids, result.logprobs)

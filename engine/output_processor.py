@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import Grammars, consume
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, SampleState
 from scheduler import Sequence
 
@@ -66,7 +66,7 @@ class OutputProcessor:
             num_outputs += 1
             length += 1
             if sample.logprobs is not None and logprobs is not None:
-                sample.logprobs.append(logprobs[j])
+                sample.logprobs.append(self._decoded(logprobs[j]))
                 sample.cumulative_logprob += logprobs[j][token]
             delta = detokenizer.add(token) if detokenizer else ""
             if num_outputs < params.min_tokens:
@@ -93,6 +93,22 @@ class OutputProcessor:
         if sample.grammar is not None:
             consume(sample.grammar, token_ids)
         return token_ids
+
+    def add_prompt_logprobs(
+        self, request: Request, first: int, entries: list[dict[int, Logprob]]
+    ) -> None:
+        """``entries`` for prompt tokens first, first + 1, ...; those the request has (a
+        prompt computed again after a preemption) are kept."""
+        known = len(request.prompt_logprobs)
+        if first <= known:
+            request.prompt_logprobs.extend(map(self._decoded, entries[known - first :]))
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``entry`` with each token's text (vLLM's decoded_token), where there is a tokenizer."""
+        if self.tokenizer is None:
+            return entry
+        decode = self.tokenizer.decode
+        return {t: Logprob(lp, lp.rank, decode([t])) for t, lp in entry.items()}
 
     @staticmethod
     def _check_stop_strings(sample: SampleState, new_chars: int) -> None:

@@ -10,13 +10,37 @@ if TYPE_CHECKING:
     from scheduler import Scheduler
 
 
+class Logprob(float):
+    """vLLM's ``Logprob`` (``logprob``, ``rank``: 1 for the most likely token, and
+    ``decoded_token``) that is also the logprob itself as a float, so code that reads a
+    logprobs entry as {token id: float} keeps working."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __getnewargs__(self) -> tuple:  # copy and pickle keep rank and decoded_token
+        return (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        fields = f"logprob={float(self)!r}, rank={self.rank}, decoded_token={self.decoded_token!r}"
+        return f"Logprob({fields})"
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: {token id: its Logprob}
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     # the sum of the tokens' logprobs (of the raw logits), when logprobs were asked for
     cumulative_logprob: float | None = None
@@ -36,7 +60,7 @@ class RequestOutput:
     error: str | None = None  # set when a step failed on this request and the engine aborted it
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token
     # {token id: logprob} (it and the top ones), as the prompt's prefill computed them
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)

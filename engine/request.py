@@ -83,13 +83,6 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first token follows nothing
 
-    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
-        """``entries`` for prompt tokens first, first + 1, ...; those it has (a prompt
-        computed again after a preemption) are kept."""
-        known = len(self.prompt_logprobs)
-        if first <= known:
-            self.prompt_logprobs.extend(entries[known - first :])
-
     @property
     def finished(self) -> bool:
         return all(sample.finish_reason is not None for sample in self.samples)

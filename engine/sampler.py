@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import Logprob
+
 
 @dataclass(frozen=True)
 class SamplingBatch:
@@ -329,14 +331,21 @@ def token_logprobs(
     """Logprobs as vLLM reports them: of the raw model distribution (log_softmax of the logits
     before penalties, temperature, top-k/p, min-p or min_tokens masking), for ``token_ids[j]``
     at row j, plus the ``num_top`` most likely ids of each row. One dict per row:
-    {token id: logprob}."""
+    {token id: Logprob} (its rank: 1 + the tokens more likely; no decoded token yet)."""
     rows = logits[: len(token_ids)].float().log_softmax(-1)
-    picked = rows.gather(1, torch.tensor(token_ids, device=rows.device)[:, None])[:, 0].tolist()
-    result = [{t: lp} for t, lp in zip(token_ids, picked, strict=True)]
+    picked = rows.gather(1, torch.tensor(token_ids, device=rows.device)[:, None])
+    ranks = ((rows > picked).sum(-1) + 1).tolist()
+    result = [
+        {t: Logprob(lp, rank)}
+        for t, lp, rank in zip(token_ids, picked[:, 0].tolist(), ranks, strict=True)
+    ]
     if num_top:
         top = rows.topk(min(num_top, rows.shape[-1]), dim=-1)
         for entry, ids, values in zip(
             result, top.indices.tolist(), top.values.tolist(), strict=True
         ):
-            entry.update(zip(ids, values, strict=True))
+            entry.update(
+                (t, entry[t] if t in entry else Logprob(lp, rank))
+                for rank, (t, lp) in enumerate(zip(ids, values, strict=True), 1)
+            )
     return result

@@ -3,6 +3,8 @@ conditions are exact, bad input is rejected without harming other requests, no b
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 
 import pytest
@@ -199,8 +201,11 @@ def test_logprobs_match_log_softmax(tiny_llama):
         for j, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
             top = set(exact[j].topk(3).indices.tolist())
             assert token in entry and set(entry) == top | {token}
-            for t, lp in entry.items():
+            for t, lp in entry.items():  # vLLM's Logprob, and the logprob as a float
                 assert lp == pytest.approx(float(exact[j, t]), abs=1e-4), (j, t)
+                assert lp.logprob == float(lp) and lp.decoded_token == llm.tokenizer.decode([t])
+                assert lp.rank == 1 + int((exact[j] > exact[j, t] + 1e-9).sum())
+            assert copy.deepcopy(entry) == entry and pickle.loads(pickle.dumps(entry))[t].rank
             if params.temperature == 0:
                 assert token == int(exact[j].argmax())
         path = sum(float(exact[j, t]) for j, t in enumerate(comp.token_ids))
