@@ -16,6 +16,7 @@ masked target's law exactly. EOS is allowed only where the constraint may end.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -40,19 +41,23 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: Any = None  # llguidance's, made on first use (~0.25 s)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # the server compiles in its handlers' threads, the engine thread reads the cache
+        self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A new matcher for ``params`` at the start of the output; ValueError (naming the
         field, with llguidance's message) where the constraint does not compile."""
         key = params.key()
-        template = self._compiled.get(key)
-        if template is None:
+        with self._lock:
+            template = self._compiled.get(key)
+        if template is None:  # compiled outside the lock: others keep using the cache
             template = self._compile(params)
+        with self._lock:
             self._compiled[key] = template
+            self._compiled.move_to_end(key)
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return template.deep_copy()
+            return template.deep_copy()
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         import llguidance.hf

@@ -62,3 +62,45 @@ def test_auto_tool_choice_parses_hermes_style_calls():
     ]
     assert tool_calls(req, "auto", "no calls here") == ("no calls here", [])
     assert tool_calls(req, "auto", "<tool_call>{broken</tool_call>")[1] == []
+
+
+def test_a_constraint_compiles_off_the_engine_thread(model_dir):
+    """A constraint that takes 0.6 s to compile: the engine keeps stepping a running stream
+    meanwhile (the compile runs in the handler's worker thread), then serves it from the
+    cache; one that does not compile is a 400 before anything is queued."""
+    import threading
+    import time
+
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64))
+    grammars, real = engine.processor.grammars, engine.processor.grammars._compile
+    compiling = threading.Event()
+
+    def slow(params):
+        compiling.set()
+        time.sleep(0.6)
+        return real(params)
+
+    grammars._compile = slow
+    steps, step = [], engine.step
+    engine.step = lambda: steps.append(time.monotonic()) or step()
+    app = create_app(AsyncEngine(engine, max_queue=4), "tiny")
+    long = {"prompt": "The quick brown", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    constrained = {"prompt": "x", "max_tokens": 5, "structured_outputs": {"choice": ["yes", "no"]}}
+    with TestClient(app) as client:
+        results = {}
+        worker = threading.Thread(target=lambda: results.setdefault(
+            "r", client.post("/v1/completions", json=constrained)))  # fmt: skip
+        with client.stream("POST", "/v1/completions", json=long) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            worker.start()
+            assert compiling.wait(5)
+            start = time.monotonic()
+            worker.join(10)
+            during = [t for t in steps if start <= t <= start + 0.5]
+        assert len(during) > 5, f"{len(during)} steps while the constraint compiled"
+        assert results["r"].json()["choices"][0]["text"] in ("yes", "no")
+        bad = client.post(
+            "/v1/completions", json=constrained | {"structured_outputs": {"regex": "["}}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex"

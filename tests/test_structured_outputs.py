@@ -132,3 +132,16 @@ def test_greedy_constrained_tokens_are_the_same_under_every_proposer(
     assert stats.num_draft_tokens > 0
     if method == "draft":  # the target drafting for itself: every masked draft is accepted
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_preempted_constrained_request_resumes_where_its_grammar_was(tiny_llama):
+    """KV for two sequences at most: requests are preempted and recomputed; the matcher stands
+    at the committed tokens throughout, so every answer matches and equals its answer alone."""
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=CONSTRAINTS["json"])
+    alone = LLM(tiny_llama, num_kv_blocks=64).generate(PROMPTS, params, use_tqdm=False)
+    tight = LLM(tiny_llama, num_kv_blocks=8, block_size=16)
+    outs = tight.generate(PROMPTS * 2, params, use_tqdm=False)
+    assert tight.llm_engine.get_stats().num_preemptions > 0
+    for out, ref in zip(outs, alone * 2, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert matches("json", out.outputs[0].text)

@@ -120,7 +120,12 @@ class AsyncEngine:
     ) -> None:
         """Add a request whose outputs (or an exception) will be left in ``mailbox``. Raises
         ValueError (the engine rejected it), QueueFullError or EngineDeadError. Cancelled
-        while the engine thread adds it, it is aborted right after."""
+        while the engine thread adds it, it is aborted right after. A constraint is compiled
+        here first, in a worker thread (its errors raised here too): the engine thread then
+        finds it in the cache, and the other requests keep stepping meanwhile."""
+        if params.structured_outputs is not None:
+            check = self.engine.processor.check_constraint
+            await asyncio.to_thread(check, params.structured_outputs)
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._wake:
             if not self.alive:
