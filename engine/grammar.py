@@ -165,6 +165,13 @@ def refused(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(unpacked[:, :vocab_size].view(np.bool_))
 
 
+def advanced(matcher: Any, token_ids: Sequence[int]) -> Any:
+    """A copy of ``matcher`` past ``token_ids`` (tokens it allows, as verification emitted)."""
+    walker = matcher.deep_copy()
+    consume(walker, token_ids)
+    return walker
+
+
 def consume(matcher: Any, token_ids: Sequence[int]) -> None:
     """Advance ``matcher`` along committed tokens (each allowed by its mask when sampled; once
     the constraint is complete, only EOS is, which it takes no more)."""

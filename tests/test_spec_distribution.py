@@ -245,7 +245,7 @@ def exact_masked_joint(target):
 @pytest.mark.parametrize(
     "method, temperature",
     [("off", 1.0), ("ngram", 1.0), ("ngram", 0.7), ("draft-noisy", 1.0), ("draft-noisy", 0.7),
-     ("eagle", 1.0), ("eagle", 0.7)],
+     ("eagle", 1.0), ("eagle", 0.7), ("eagle-tree", 1.0), ("eagle-tree", 0.7)],
 )  # fmt: skip
 def test_constrained_speculative_sampling_follows_the_masked_target_law(
     lettered, drafts, exact_masked_joint, method, temperature
@@ -263,6 +263,8 @@ def test_constrained_speculative_sampling_follows_the_masked_target_law(
     if method != "off":  # the premise: drafts verified, some accepted and some not
         assert stats.num_draft_tokens > NUM_SAMPLES // 2, stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    if method == "eagle-tree":  # some rounds end at a leaf, under the mask after its chain
+        assert stats.num_leaf_tokens > NUM_SAMPLES // 20, stats
     law = exact_masked_joint(temperature)
     stat, threshold, df = chi_square_test(counts, law, P_VALUE)
     assert stat < threshold, f"chi2 {stat:.1f} >= {threshold:.1f} (df {df}); {stats}"

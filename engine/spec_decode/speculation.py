@@ -114,10 +114,7 @@ class Speculation(NoSpeculation):
         ]
         if not self.config.draft_leaves:
             return self.proposer.propose(scheduled, ks, params)
-        leaf_slots = [  # none for a constrained sequence (its chain's masks only)
-            0 if s.seq.owner.grammar is not None else n - k
-            for s, n, k in zip(scheduled, slots, ks, strict=True)
-        ]
+        leaf_slots = [n - k for n, k in zip(slots, ks, strict=True)]
         return self.proposer.propose(scheduled, ks, params, leaf_slots)
 
     # --- after the forward ----------------------------------------------------------------

@@ -10,8 +10,9 @@ Verification is the chain's, unchanged (exact match or ``rejection_sample``), th
 more: where the chain stops at depth t with the token y (a recovered or mismatch token), and a
 leaf at depth t holds y, the leaf's row is the target's distribution after the emitted tokens,
 so one more token is sampled from it. That token is drawn from the target's own p exactly as the
-next step would draw it, and y is what the chain's verification emits anyway, so the output law
-is the chain's (the target's) whichever tokens the leaves hold.
+next step would draw it (under a constraint, masked by the grammar after the emitted tokens), and
+y is what the chain's verification emits anyway, so the output law is the chain's (the target's)
+whichever tokens the leaves hold.
 
 The leaf's K/V was written at its own slot in the span (start + its index), not at its
 position's (start + t): committing it copies that one token's K/V per layer into place
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.grammar import advanced
 from engine.step_sampler import SampleJob, SampleResult, StepSampler
 
 if TYPE_CHECKING:
@@ -85,7 +87,8 @@ def sample_at_leaves(
             follow.append(job._replace(
                 num_outputs=job.num_outputs + len(emitted),
                 token_ids=[*job.token_ids, *emitted], row=first_rows[i] + leaf,
-                drafts=(), draft_probs=None,
+                drafts=(), draft_probs=None, grammar_bits=None,
+                grammar=None if job.grammar is None else advanced(job.grammar, emitted),
             ))  # fmt: skip
     for i, more in zip(used, sampler(logits, follow), strict=True):
         first = results[i][0]
