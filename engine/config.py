@@ -106,8 +106,7 @@ class SpeculativeConfig:
     disable_tree_batch_size: int = 2
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _one_of("method", self.method, SPECULATIVE_METHODS)
         for name, default in METHOD_DEFAULTS[self.method].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
@@ -202,28 +201,14 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
+        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
+        _one_of("quantization", self.quantization, QUANTIZATIONS)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         spec = SpeculativeConfig.of(self.speculative_config, self.attention_backend)
         if spec is not None and self.attention_backend in NO_TREE_BACKENDS and spec.draft_leaves:
             raise ValueError(
@@ -240,6 +225,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
+
+
+def _one_of(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _positive(name: str, value: object) -> None:
