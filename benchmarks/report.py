@@ -433,7 +433,10 @@ def render_structured(p: dict) -> list[str]:
         f"- throughput: batch {cfg['batch_size']}, {cfg['max_tokens']} tokens each (EOS "
         f"ignored), the median of {cfg['rounds']} rounds after a warm-up one; speculation: batch "
         f"1, {cfg['eagle_prompts']} held-out chat prompts asking for a list of records, greedy, "
-        f"at most {cfg['eagle_max_tokens']} tokens, EAGLE k=4 (shipped head) against none",
+        f"at most {cfg['eagle_max_tokens']} tokens, EAGLE k=4 (shipped head) against none, "
+        f"taking turns over {cfg.get('eagle_passes', 1)} passes after a warm-up one: speedup by "
+        f"pass {', '.join(f'{x:.2f}x' for x in s.get('speedup_by_pass', []))}; "
+        f"{s.get('leaf_tokens', 0)} tokens from draft-tree leaves",
         f"- mask cost at batch 1: {m['engine_us_per_row']:.1f} µs per masked row in the engine "
         f"(bitmask filled, unpacked, applied), llguidance's bitmask alone "
         f"{m['llguidance_bitmask_us']:.1f} µs (median of {m['rows']} steps)",

@@ -7,8 +7,9 @@
   ignored, constrained to a schema (an array of records, long enough not to close early) and
   unconstrained, taking turns --rounds times: generated tokens/s, constrained / unconstrained;
 - speculation: batch 1 on --eagle-prompts held-out chat prompts asking for the "record" schema,
-  greedy, EAGLE (the shipped head, k=4) against no speculation, both constrained: tokens/s
-  pooled over the prompts, tokens per verification, identical tokens;
+  greedy, EAGLE (the shipped head, k=4) against no speculation, both constrained, over
+  --eagle-passes passes after a warm-up one, taking turns: the median pass's speedup, tokens
+  per verification (and draft-tree leaf tokens), identical tokens;
 - mask cost: the engine's mask per sampled row at batch 1 (the step sampler's
   ``_mask_grammar``: bitmasks filled by llguidance, unpacked and applied to the logits) beside
   llguidance's own ``compute_bitmask`` on the same matchers (timed by wrapping both).
@@ -110,32 +111,43 @@ def throughput(engine: LLMEngine, args) -> dict:
 
 
 def speculation(plain: LLMEngine, eagle: LLMEngine, args) -> dict:
+    """Passes over the prompts (the first a warm-up); in each, every prompt runs without and
+    with EAGLE, in turns (off first on even prompts of even passes...), so the CPU's drift
+    falls on both; the speedup is the median of the passes'."""
     lines = HELDOUT.read_text().splitlines()[: args.eagle_prompts]
     conversations = [json.loads(line)["messages"] for line in lines]
+    prompts = [
+        render_chat(plain.tokenizer, [*messages[:-1], *ask("list of records", RECORDS)])[1]
+        for messages in conversations
+    ]
     so = StructuredOutputsParams(json=RECORDS)
     params = SamplingParams(
         temperature=0.0, max_tokens=args.eagle_max_tokens, structured_outputs=so
     )
-    seconds, tokens, same = {"off": 0.0, "eagle": 0.0}, {"off": 0, "eagle": 0}, True
+    engines, passes, same = {"off": plain, "eagle": eagle}, [], True
     before = eagle.get_stats()
-    for messages in conversations:
-        prompt = render_chat(plain.tokenizer, [*messages[:-1], *ask("list of records", RECORDS)])[1]
-        got = {}
-        for name, engine in (("off", plain), ("eagle", eagle)):
-            (out,), s, n = run_all_at_once(engine, [prompt], [params])
-            seconds[name] += s
-            tokens[name] += n
-            got[name] = out.token_ids
-        same &= got["off"] == got["eagle"]
+    for number in range(args.eagle_passes + 1):
+        seconds, tokens = {"off": 0.0, "eagle": 0.0}, {"off": 0, "eagle": 0}
+        for j, prompt in enumerate(prompts):
+            got = {}
+            for name in ("off", "eagle") if (j + number) % 2 == 0 else ("eagle", "off"):
+                (out,), s, n = run_all_at_once(engines[name], [prompt], [params])
+                seconds[name] += s
+                tokens[name] += n
+                got[name] = out.token_ids
+            same &= got["off"] == got["eagle"]
+        passes.append({name: tokens[name] / seconds[name] for name in seconds})
     after = eagle.get_stats()
     rounds = after.num_verifications - before.num_verifications
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    tps = {name: tokens[name] / seconds[name] for name in seconds}
+    timed = passes[1:]
     return {
-        "tokens_per_s": tps,
-        "speedup": tps["eagle"] / tps["off"],
+        "tokens_per_s": {name: statistics.median(p[name] for p in timed) for name in engines},
+        "speedup": statistics.median(p["eagle"] / p["off"] for p in timed),
+        "speedup_by_pass": [p["eagle"] / p["off"] for p in timed],
         "identical_tokens": same,
         "tokens_per_verification": (accepted + rounds) / rounds if rounds else None,
+        "leaf_tokens": after.num_leaf_tokens - before.num_leaf_tokens,
     }
 
 
@@ -199,6 +211,7 @@ def run(args) -> dict:
                 "max_tokens",
                 "rounds",
                 "eagle_prompts",
+                "eagle_passes",
                 "eagle_max_tokens",
                 "validity_max_tokens",
                 "seed",
@@ -219,6 +232,7 @@ def build_parser():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--eagle-head", default=None, help="default: the shipped head")
     parser.add_argument("--eagle-prompts", type=int, default=6)
+    parser.add_argument("--eagle-passes", type=int, default=3)
     parser.add_argument("--eagle-max-tokens", type=int, default=96)
     parser.add_argument("--validity-max-tokens", type=int, default=192)
     return parser

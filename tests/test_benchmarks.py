@@ -666,12 +666,14 @@ def test_contention_runs_each_system_quiet_and_beside_a_busy_process(tiny_llama,
 def test_structured_benchmark_runs_every_part(tiny_llama, tmp_path):
     head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300)
     argv = ["--model", tiny_llama, "--eagle-head", str(head), "--batch-size", "2",
-            "--max-tokens", "4", "--rounds", "1", "--eagle-prompts", "1", "--eagle-max-tokens",
-            "6", "--validity-max-tokens", "8", "--output-dir", str(tmp_path)]  # fmt: skip
+            "--max-tokens", "4", "--rounds", "1", "--eagle-prompts", "1", "--eagle-passes", "2",
+            "--eagle-max-tokens", "6", "--validity-max-tokens", "8",
+            "--output-dir", str(tmp_path)]  # fmt: skip
     payload = structured.run(structured.build_parser().parse_args(argv))
     rows = payload["validity"]["rows"]
     assert len(rows) == 40 and {r["temperature"] for r in rows} == {0.0, 0.8}
     assert payload["speculation"]["identical_tokens"]  # greedy, the same constraint
+    assert len(payload["speculation"]["speedup_by_pass"]) == 2
     assert payload["throughput"]["tokens_per_s"]["constrained"] > 0
     assert payload["mask_cost"]["engine_us_per_row"] > 0
     names = [t["name"] for t in report.targets(payload)]
