@@ -379,10 +379,13 @@ def test_echo_and_prompt_logprobs(server, llm):
     assert listed[0] is None and len(listed) == num_prompt
     for entry, expected in zip(listed[1:], offline.prompt_logprobs[1:], strict=True):
         assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(expected, abs=1e-5)
-    streamed = server.client.completions.create(model=MODEL, prompt="The quick brown",
-                                                max_tokens=3, temperature=0, echo=True,
-                                                stream=True)  # fmt: skip
+    streamed = list(server.client.completions.create(model=MODEL, prompt="The quick brown",
+                                                     max_tokens=3, temperature=0, echo=True,
+                                                     logprobs=1, stream=True))  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == choice["text"]
+    offsets = [o for c in streamed for o in c.choices[0].logprobs.text_offset]
+    assert offsets[:num_prompt] == lp["text_offset"][:num_prompt]
+    assert min(offsets[num_prompt:]) >= len("The quick brown")  # counted in every later delta
 
 
 SCHEMA = {

@@ -97,10 +97,14 @@ class Completions:
                 id=response_id, created=created, model=self.model_name, choices=choices, **extra
             )
 
+        echoed: dict[str, str] = {}  # request id -> its prompt's text, with echo
+
         def events(out: RequestOutput) -> Iterator[str]:
             base = group.request_ids.index(out.request_id) * params.n
+            if req.echo and out.request_id not in echoed:
+                echoed[out.request_id] = self.tokenizer.decode(out.prompt_token_ids)
             choices = [
-                self._delta_choice(base + c.index, d, out if req.echo and d.first else None)
+                self._delta_choice(base + c.index, d, out, echoed.get(out.request_id))
                 for c in out.outputs
                 if (d := deltas.next(out.request_id, c)) is not None
             ]
@@ -111,15 +115,18 @@ class Completions:
         return sse_stream(group.outputs(), events, with_usage)
 
     def _delta_choice(
-        self, index: int, d: Delta, echoed: RequestOutput | None = None
+        self, index: int, d: Delta, out: RequestOutput, prompt: str | None
     ) -> CompletionChoice:
-        """The choice's news; the first of an echoing request's starts with its prompt."""
-        text, ids, lps = d.text, d.token_ids, d.logprobs
-        if echoed is not None:
-            text = self.tokenizer.decode(echoed.prompt_token_ids) + text
+        """The choice's news; with echo (``prompt``: the prompt's text) the first delta starts
+        with the prompt (its tokens and logprobs too) and every later offset counts it."""
+        text, ids, lps, offset = d.text, d.token_ids, d.logprobs, d.text_offset
+        if prompt is not None and not d.first:
+            offset += len(prompt)
+        elif prompt is not None:
+            text = prompt + text
             if lps is not None:
-                ids, lps = echoed.prompt_token_ids + ids, echoed.prompt_logprobs + lps
-        return self._choice(index, text, ids, lps, d.text_offset, d.finish_reason)
+                ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+        return self._choice(index, text, ids, lps, offset, d.finish_reason)
 
     def _choice(
         self,
