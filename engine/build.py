@@ -11,7 +11,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 import kernels
 from engine.config import EngineConfig
-from engine.cpu_threads import ThreadGovernor, cpu_limit
+from engine.cpu_threads import ThreadGovernor, affinity, cpu_limit
 from engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
@@ -117,7 +117,8 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
             trees=index == 0 and spec is not None and spec.draft_leaves > 0,  # the target verifies
         )  # fmt: skip
         if index == 0 and tp is None and device.type == "cpu" and config.num_threads is None:
-            local.threads = ThreadGovernor(torch.get_num_threads())
+            limit = torch.get_num_threads()
+            local.threads = ThreadGovernor(limit, spare=max(0, affinity() - limit))
         if index == 0 and tp is None and uses_cuda_graphs(config, device):
             local.graphs = DecodeGraphs(
                 local,

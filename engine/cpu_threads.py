@@ -39,11 +39,16 @@ CGROUP = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 
 
+def affinity() -> int:
+    """The CPUs this process may run on (its affinity mask)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cpus or 1
+
+
 def cpu_limit(cgroup: Path = CGROUP) -> int:
     """The CPUs this process may run on (affinity mask), capped by the cgroup's CPU quota."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = _cgroup_quota(cgroup)
-    return max(1, min(cpus or 1, math.floor(quota) if quota is not None else cpus or 1))
+    cpus, quota = affinity(), _cgroup_quota(cgroup)
+    return max(1, min(cpus, math.floor(quota) if quota is not None else cpus))
 
 
 def _cgroup_quota(cgroup: Path) -> float | None:
@@ -89,28 +94,36 @@ class ThreadGovernor:
         read: Callable[[], tuple[float, float] | None] = read_busy,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
+        spare: int = 0,
     ) -> None:
-        self.limit, self._read, self._clock, self._set = limit, read, clock, set_threads
+        """``spare``: CPUs of the affinity mask beyond ``limit`` (a quota below the mask):
+        other processes may keep that many busy without taking any of ours."""
+        self.limit, self.spare = limit, spare
+        self._read, self._clock, self._set = read, clock, set_threads
         self.threads = limit
         self._set(limit)
         self._restart(clock())
 
     def tick(self) -> None:
-        """Re-read the load once ``INTERVAL_S`` has passed since the last reading (after an
-        idle spell, start a new interval: the load while idle says nothing about now)."""
+        """Before a forward: re-read the load once ``INTERVAL_S`` has passed since the last
+        reading (after an idle spell, ``IDLE_S`` since the last forward ended, start a new
+        interval: the load while idle says nothing about now)."""
         now = self._clock()
-        idle, self._ticked = now - self._ticked > IDLE_S, now
-        if idle:
+        if now - self._ended > IDLE_S:
             self._restart(now)
-        if idle or now < self._next:
+        if now < self._next:
             return
         busy = self._read()
         (then, before), self._last, self._next = self._last, (now, busy), now + INTERVAL_S
         if busy is None or before is None or now <= then:
             return
-        others = ((busy[0] - before[0]) - (busy[1] - before[1])) / (now - then)
+        others = ((busy[0] - before[0]) - (busy[1] - before[1])) / (now - then) - self.spare
         self.threads = max(1, min(self.limit, math.floor(self.limit - others + SLACK)))
         self._set(self.threads)  # each time: another engine in the process may have set its own
 
+    def done(self) -> None:
+        """After a forward."""
+        self._ended = self._clock()
+
     def _restart(self, now: float) -> None:
-        self._last, self._next, self._ticked = (now, self._read()), now + INTERVAL_S, now
+        self._last, self._next, self._ended = (now, self._read()), now + INTERVAL_S, now

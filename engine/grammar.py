@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -168,15 +168,17 @@ def refused(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
 def advanced(matcher: Any, token_ids: Sequence[int]) -> Any:
     """A copy of ``matcher`` past ``token_ids`` (tokens it allows, as verification emitted)."""
     walker = matcher.deep_copy()
-    consume(walker, token_ids)
+    consume(walker, token_ids, ())
     return walker
 
 
-def consume(matcher: Any, token_ids: Sequence[int]) -> None:
+def consume(matcher: Any, token_ids: Sequence[int], eos_token_ids: Container[int]) -> None:
     """Advance ``matcher`` along committed tokens (each allowed by its mask when sampled; once
     the constraint is complete, only EOS is, which it takes no more)."""
     for token in token_ids:
-        if matcher.is_stopped():
-            return
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"the output left its grammar: {matcher.get_error()}")
+        if matcher.is_stopped() and token in eos_token_ids:
+            continue
+        if matcher.is_stopped() or not matcher.consume_token(token):
+            raise RuntimeError(
+                f"the output left its grammar at token {token}: {matcher.get_error()}"
+            )

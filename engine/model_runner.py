@@ -110,8 +110,21 @@ class ModelRunner:
         token) go to a model that reads them (a draft head), which computes only the rows that
         take logits: its hidden states are those rows'. Decode steps that ``graphs`` fit replay
         a captured graph: their logits are valid until the next forward."""
-        if self.threads is not None:
-            self.threads.tick()
+        if self.threads is None:
+            return self._forward(spans, return_hidden, features, hidden_layers)
+        self.threads.tick()
+        try:
+            return self._forward(spans, return_hidden, features, hidden_layers)
+        finally:
+            self.threads.done()
+
+    def _forward(
+        self,
+        spans: list[Span],
+        return_hidden: bool,
+        features: torch.Tensor | None,
+        hidden_layers: tuple[int, ...],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         plain = features is None and not return_hidden and not hidden_layers
         if plain and self.graphs is not None and self.graphs.fits(spans):
             return self.graphs.run(spans)

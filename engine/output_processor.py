@@ -91,7 +91,7 @@ class OutputProcessor:
                 token_ids = token_ids[: j + 1]
                 break
         if sample.grammar is not None:
-            consume(sample.grammar, token_ids)
+            consume(sample.grammar, token_ids, self.eos_token_ids)
         return token_ids
 
     def add_prompt_logprobs(

@@ -221,10 +221,13 @@ def _mask_grammar(
 ) -> torch.Tensor:
     """Each constrained job's rows with what its grammar refuses at -inf (row j: after
     drafts[:j]), in place unless a constrained job reports logprobs (of the raw rows: then a
-    copy). The bitmasks of every constrained row are filled, unpacked and applied at once."""
+    copy). The bitmasks of every constrained row are filled, unpacked and applied at once.
+    Where a min_tokens or stop-token ban left a row nothing its grammar allows (a complete
+    constraint allows only EOS), the grammar wins: the row is ``raw``'s, masked by it alone."""
     constrained = [(job, start) for job, start in zip(jobs, starts, strict=True) if job.grammar]
     if not constrained:
         return rows
+    banned = rows is not raw  # (_mask_min_tokens made a copy)
     total = sum(job.num_rows for job, _ in constrained)
     bits = np.empty((total, words(rows.shape[-1])), np.int32)
     bitmasks.fill([(job.grammar, job.drafts, job.grammar_bits) for job, _ in constrained], bits)
@@ -235,10 +238,17 @@ def _mask_grammar(
     first = constrained[0][1]
     with torch.inference_mode():  # the forward's logits are inference tensors
         if all(start == first + at for (_, start), at in zip(constrained, offsets, strict=True)):
-            rows[first : first + total].masked_fill_(bad, float("-inf"))  # back to back
-            return rows
-        for (job, start), at in zip(constrained, offsets, strict=True):
-            rows[start : start + job.num_rows].masked_fill_(bad[at : at + job.num_rows], -math.inf)
+            spans = [(first, total, 0)]  # back to back: one call
+        else:
+            spans = [
+                (start, job.num_rows, at)
+                for (job, start), at in zip(constrained, offsets, strict=True)
+            ]
+        for start, n, at in spans:
+            rows[start : start + n].masked_fill_(bad[at : at + n], -math.inf)
+            if banned and (dead := torch.isneginf(rows[start : start + n]).all(-1)).any():
+                keep = raw[start : start + n][dead].masked_fill(bad[at : at + n][dead], -math.inf)
+                rows[start : start + n][dead] = keep
     return rows
 
 

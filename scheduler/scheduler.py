@@ -256,8 +256,8 @@ class Scheduler:
         """FCFS: a new sequence at the back, a preempted one at the front; by priority: each
         at its place by (priority, arrival)."""
         if self.config.policy == "priority":
-            keys = [self._key(s) for s in self.waiting]
-            self.waiting.insert(bisect.bisect(keys, self._key(seq)), seq)
+            at = bisect.bisect(self.waiting, self._key(seq), key=self._key)
+            self.waiting.insert(at, seq)
         elif front:
             self.waiting.appendleft(seq)
         else:

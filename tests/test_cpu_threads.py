@@ -64,11 +64,14 @@ class Fake:
         self.now += seconds
         self.busy += seconds * others
 
-    def run(self, seconds: float, others: float, own: float) -> None:
-        for _ in range(round(seconds / self.STEP_S)):
-            self.wait(self.STEP_S, others + own)
-            self.own += self.STEP_S * own
+    def run(self, seconds: float, others: float, own: float, step: float | None = None) -> None:
+        """Forwards of ``step`` seconds (default STEP_S) back to back."""
+        step = step or self.STEP_S
+        for _ in range(round(seconds / step)):
             self.governor.tick()
+            self.wait(step, others + own)
+            self.own += step * own
+            self.governor.done()
 
 
 def test_the_governor_gives_up_the_cores_other_processes_keep_busy():
@@ -80,6 +83,7 @@ def test_the_governor_gives_up_the_cores_other_processes_keep_busy():
     fake.run(INTERVAL_S, others=0.4, own=2.0)  # 3.6 free: 4
     fake.run(INTERVAL_S, others=0.5, own=3.5)  # 3.5 free: 4 (rounded)
     fake.run(INTERVAL_S, others=9.0, own=1.0)  # nothing free: one
+    fake.governor.tick()  # (a phase's reading is taken as the next forward starts)
     assert fake.threads == [4, 2, 4, 4, 1]
     assert fake.governor.threads == 1
 
@@ -92,6 +96,23 @@ def test_the_governor_does_not_judge_by_the_load_while_it_was_idle():
     assert fake.threads == [2]
     fake.run(INTERVAL_S, others=0.0, own=2.0)
     assert fake.threads == [2, 2]
+
+
+def test_slow_forwards_are_not_idle_spells():
+    """Forwards longer than IDLE_S back to back: the load is still read (idle is the time
+    between forwards), so the count comes back once a neighbour leaves."""
+    fake = Fake(2)
+    fake.run(INTERVAL_S * 2, others=1.0, own=1.0)  # a neighbour: one thread
+    fake.run(IDLE_S * 12, others=0.0, own=1.0, step=IDLE_S * 2)  # it left; slow forwards
+    assert fake.threads[-1] == 2
+
+
+def test_a_quota_below_the_mask_leaves_the_spare_cpus_to_others():
+    """2 CPUs of quota on a 64-CPU mask: 8 cores busy elsewhere take none of ours."""
+    fake = Fake(2)
+    fake.governor.spare = 62
+    fake.run(INTERVAL_S * 2, others=8.0, own=2.0)
+    assert fake.threads[1:] and fake.threads[-1] == 2 and fake.governor.threads == 2
 
 
 def test_the_governor_keeps_its_count_when_proc_cannot_tell():

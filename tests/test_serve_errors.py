@@ -104,3 +104,14 @@ def test_a_constraint_compiles_off_the_engine_thread(model_dir):
             "/v1/completions", json=constrained | {"structured_outputs": {"regex": "["}}
         )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex"
+
+
+def test_an_echo_of_a_prompt_cut_short_has_none_for_the_logprobs_it_lacks():
+    """A request aborted before its prompt was done (a drain's abort_all) has fewer prompt
+    logprobs than prompt tokens: the echo lists None for the rest instead of failing."""
+    from engine.outputs import RequestOutput
+    from engine.serve.completions import _prompt_entries
+
+    cut = RequestOutput("r", None, [5, 6, 7, 8], [], True, prompt_logprobs=[None, {6: -1.0}])
+    assert _prompt_entries(cut) == [None, {6: -1.0}, None, None]
+    assert _prompt_entries(RequestOutput("r", None, [5, 6], [], True)) == [None, None]

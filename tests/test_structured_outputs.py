@@ -145,3 +145,17 @@ def test_a_preempted_constrained_request_resumes_where_its_grammar_was(tiny_llam
     for out, ref in zip(outs, alone * 2, strict=True):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert matches("json", out.outputs[0].text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_constraint_wins_over_min_tokens_and_stop_token_bans(llm, temperature):
+    """min_tokens past where the constraint is complete (it allows only EOS there) and a
+    stop token it needs: the answer still matches, and ends where the constraint does."""
+    eos = llm.llm_engine.outputs.eos_token_ids
+    params = SamplingParams(temperature=temperature, max_tokens=30, min_tokens=12, seed=2,
+                            structured_outputs=CONSTRAINTS["choice"])  # fmt: skip
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        c = out.outputs[0]
+        assert out.error is None and matches("choice", c.text), c
+        assert c.finish_reason in ("stop", "length")
+        assert all(t in eos for t in c.token_ids[len(c.token_ids) - 1 :])  # only EOS once complete

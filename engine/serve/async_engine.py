@@ -200,7 +200,11 @@ class AsyncEngine:
             if command is ABORT_ALL:
                 for request_id in list(self.engine.requests):
                     self.engine.abort_request(request_id)
-                self._deliver(self.engine.step())  # the aborts' outputs; nothing else runs
+                try:
+                    self._deliver(self.engine.step())  # the aborts' outputs; nothing else runs
+                except Exception as error:  # noqa: BLE001 - as a failed step: fail them all
+                    logger.exception("the step delivering the aborts failed")
+                    self._fail_all(error)
                 continue
             if isinstance(command, str):
                 self.engine.abort_request(command)  # False when it already finished

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.llm import MessageError, render_chat
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serve.logprobs import chat_logprobs
 from engine.serve.protocol import (
@@ -112,7 +112,7 @@ class Chat:
                 if d.first:  # OpenAI's first chunk of a choice carries the role
                     role = {"role": "assistant", "content": ""}
                     yield sse(response([ChatChunkChoice(index=c.index, delta=role)]), exclude)
-                choice = self._delta_choice(req, c.index, d, mode, c.text)
+                choice = self._delta_choice(req, c, d, mode)
                 if choice is not None:
                     yield sse(response([choice]), exclude)
 
@@ -120,13 +120,13 @@ class Chat:
         return sse_stream(group.outputs(), events, with_usage)
 
     def _delta_choice(
-        self, req: ChatCompletionRequest, index: int, d: Delta, mode: str | None, text: str
+        self, req: ChatCompletionRequest, c: CompletionOutput, d: Delta, mode: str | None
     ) -> ChatChunkChoice | None:
-        """A choice's news as a chunk. Content streams as it comes; a named tool's arguments
-        too (its name in the first delta); "auto" and "required" answers are parsed once
-        whole, so they come in their last delta (None before it)."""
+        """Choice ``c``'s news as a chunk. Content streams as it comes; a named tool's
+        arguments too (its name in the first delta); "auto" and "required" answers are parsed
+        once whole, so they come in their last delta (None before it), logprobs and all."""
         delta: dict[str, Any] = {"content": d.text}
-        reason = d.finish_reason
+        reason, token_ids, logprobs = d.finish_reason, d.token_ids, d.logprobs
         if mode == "named":
             call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
             if d.first:
@@ -138,15 +138,17 @@ class Chat:
         elif mode in ("auto", "required"):
             if reason is None:
                 return None
-            content, calls = tool_calls(req, mode, text)
+            content, calls = tool_calls(req, mode, c.text)
             delta = {"content": content}
             if calls:
-                delta["tool_calls"] = [{"index": i} | c.model_dump() for i, c in enumerate(calls)]
-            reason = _finish(reason, calls)
+                delta["tool_calls"] = [
+                    {"index": i} | call.model_dump() for i, call in enumerate(calls)
+                ]
+            reason, token_ids, logprobs = _finish(reason, calls), c.token_ids, c.logprobs
         return ChatChunkChoice(
-            index=index,
+            index=c.index,
             delta=delta,
-            logprobs=self._logprobs(req, d.token_ids, d.logprobs),
+            logprobs=self._logprobs(req, token_ids, logprobs),
             finish_reason=reason,
         )
 

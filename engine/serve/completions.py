@@ -72,7 +72,7 @@ class Completions:
                 if req.echo:  # the prompt, then the completion (logprobs likewise)
                     text = self.tokenizer.decode(out.prompt_token_ids) + text
                     if lps is not None:
-                        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+                        ids, lps = out.prompt_token_ids + ids, _prompt_entries(out) + lps
                 choice = self._choice(i * params.n + c.index, text, ids, lps, 0, c.finish_reason)
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = prompt_logprobs(self.tokenizer, out.prompt_logprobs)
@@ -125,7 +125,7 @@ class Completions:
         elif prompt is not None:
             text = prompt + text
             if lps is not None:
-                ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+                ids, lps = out.prompt_token_ids + ids, _prompt_entries(out) + lps
         return self._choice(index, text, ids, lps, offset, d.finish_reason)
 
     def _choice(
@@ -141,3 +141,10 @@ class Completions:
         if logprobs is not None:
             lp = completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
         return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish_reason)
+
+
+def _prompt_entries(out: RequestOutput) -> list[dict[int, float] | None]:
+    """The prompt's logprobs, one entry a token: None for those it has none of (the first
+    token; a request aborted before its prompt was done)."""
+    known = out.prompt_logprobs or [None]
+    return known + [None] * (len(out.prompt_token_ids) - len(known))

@@ -11,7 +11,8 @@ cancels the handlers still running: their streams stop mid-response (no final ch
    ``"abort"`` and ``[DONE]``, each waiting non-streaming client gets a 503 error body;
 3. once no response is being written, uvicorn's shutdown runs and finds nothing to cancel.
 
-A second signal during the drain is uvicorn's as usual (a second Ctrl-C forces the exit).
+A second signal during the drain is uvicorn's as usual: its own graceful shutdown starts (a
+further Ctrl-C forces the exit).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.run_coroutine_threadsafe(self._drain_then_exit(), self._loop)
 
     async def _drain_then_exit(self) -> None:
-        self.engine.drain()
-        if not await self._handlers_done(self.drain_timeout):
-            self.engine.abort_all()
-            await self._handlers_done(FINISH_S)
-        self.should_exit = True
+        try:
+            self.engine.drain()
+            if not await self._handlers_done(self.drain_timeout):
+                self.engine.abort_all()
+                await self._handlers_done(FINISH_S)
+        finally:  # whatever happened, the server stops
+            self.should_exit = True
 
     async def _handlers_done(self, timeout: float) -> bool:
         """Whether every request handler has finished within ``timeout`` seconds."""
