@@ -497,3 +497,28 @@ def test_prompt_logprobs_match_hf_across_chunks_and_cache_hits(tiny_llama, optio
     assert llm.llm_engine.get_stats().num_prefix_cache_hit_tokens >= 32  # the cache was there
     stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_priority_preempts_the_lowest_priority_under_memory_pressure(tiny_llama):
+    """Four long requests in too few KV blocks for all: every preemption takes a sequence of
+    the lowest priority then running, never the first request (priority 0); the tokens are
+    those each request makes alone."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=12, block_size=16,
+                                    scheduling_policy="priority"))  # fmt: skip
+    victims, preempt = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq, out: (
+        victims.append((seq.priority, max(s.priority for s in engine.scheduler.running))),
+        preempt(seq, out),
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for request_id, priority in (("a", 0), ("b", 3), ("c", 1), ("d", 2)):
+        engine.add_request(request_id, PROMPTS[1], params, priority)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    assert victims and all(priority == lowest for priority, lowest in victims)
+    assert all(priority > 0 for priority, _ in victims)
+    alone = LLM(tiny_llama, num_kv_blocks=32).generate(PROMPTS[1], params, use_tqdm=False)
+    assert all(t == alone[0].outputs[0].token_ids for t in tokens.values())
