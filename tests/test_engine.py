@@ -500,9 +500,9 @@ def test_prompt_logprobs_match_hf_across_chunks_and_cache_hits(tiny_llama, optio
 
 
 def test_priority_preempts_the_lowest_priority_under_memory_pressure(tiny_llama):
-    """Four long requests in too few KV blocks for all: every preemption takes a sequence of
-    the lowest priority then running, never the first request (priority 0); the tokens are
-    those each request makes alone."""
+    """Four long requests in too few KV blocks for all, the lowest-priority one admitted first:
+    every preemption takes a sequence of the lowest priority then running (not the youngest),
+    never the priority-0 request; the tokens are those each request makes alone."""
     engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=12, block_size=16,
                                     scheduling_policy="priority"))  # fmt: skip
     victims, preempt = [], engine.scheduler._preempt
@@ -511,7 +511,9 @@ def test_priority_preempts_the_lowest_priority_under_memory_pressure(tiny_llama)
         preempt(seq, out),
     )
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for request_id, priority in (("a", 0), ("b", 3), ("c", 1), ("d", 2)):
+    engine.add_request("b", PROMPTS[1], params, 3)  # admitted first: the oldest, the lowest
+    engine.step()
+    for request_id, priority in (("a", 0), ("c", 1), ("d", 2)):
         engine.add_request(request_id, PROMPTS[1], params, priority)
     tokens = {}
     while engine.has_unfinished_requests():
