@@ -32,7 +32,7 @@ FULL = {
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",
     "memory": "memory",
-    "contention": "contention --rounds 3",
+    "contention": "contention --rounds 5",
     "structured": "structured",
     "block_manager": "block_manager",
     "linear": "linear",
