@@ -45,7 +45,11 @@ class Grammars:
         self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A new matcher for ``params`` at the start of the output; ValueError (naming the
+        """A new matcher for ``params`` at the start of the output."""
+        return self.compiled(params).deep_copy()
+
+    def compiled(self, params: StructuredOutputsParams) -> Any:
+        """The cached matcher ``params`` compile to (only ever copied); ValueError (naming the
         field, with llguidance's message) where the constraint does not compile."""
         key = params.key()
         with self._lock:
@@ -57,7 +61,7 @@ class Grammars:
             self._compiled.move_to_end(key)
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-            return template.deep_copy()
+        return template
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         import llguidance.hf
@@ -165,10 +169,11 @@ def refused(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(unpacked[:, :vocab_size].view(np.bool_))
 
 
-def advanced(matcher: Any, token_ids: Sequence[int]) -> Any:
-    """A copy of ``matcher`` past ``token_ids`` (tokens it allows, as verification emitted)."""
+def advanced(matcher: Any, token_ids: Sequence[int], eos_token_ids: Container[int]) -> Any:
+    """A copy of ``matcher`` past ``token_ids`` (tokens it allows, as verification emitted:
+    an EOS once the constraint is complete among them)."""
     walker = matcher.deep_copy()
-    consume(walker, token_ids, ())
+    consume(walker, token_ids, eos_token_ids)
     return walker
 
 

@@ -109,7 +109,7 @@ class Processor:
         """Compile ``constraint`` (once: it is cached), or refuse it naming its field."""
         if self.grammars is None:
             raise ValueError("structured_outputs needs a model with a tokenizer")
-        self.grammars.matcher(constraint)
+        self.grammars.compiled(constraint)
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Reject what could never run: one sequence needing more KV blocks than exist."""

@@ -159,3 +159,17 @@ def test_the_constraint_wins_over_min_tokens_and_stop_token_bans(llm, temperatur
         assert out.error is None and matches("choice", c.text), c
         assert c.finish_reason in ("stop", "length")
         assert all(t in eos for t in c.token_ids[len(c.token_ids) - 1 :])  # only EOS once complete
+
+
+def test_a_matcher_walks_past_the_eos_that_ends_a_complete_constraint(llm):
+    """Verification may emit a constraint's last token and then EOS (a draft-tree leaf's row
+    follows both): a copy walks past them; anything else after the end is refused."""
+    from engine.grammar import advanced
+
+    engine = llm.llm_engine
+    eos = engine.outputs.eos_token_ids
+    matcher = engine.processor.grammars.matcher(StructuredOutputsParams(choice=["yes"]))
+    done = engine.tokenizer.encode("yes", add_special_tokens=False)
+    assert advanced(matcher, [*done, min(eos)], eos).is_stopped()
+    with pytest.raises(RuntimeError, match="left its grammar"):
+        advanced(matcher, [*done, done[0]], eos)

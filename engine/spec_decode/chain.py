@@ -47,11 +47,11 @@ def draw_drafts(
     for i, bits in enumerate(grammar_bits or ()):
         if bits is None:
             continue
-        bad = refused(bits[None], vocab_size or logits.shape[-1])[0]
-        bad = bad[token_map] if token_map is not None else bad
+        bad = refused(bits[None], vocab_size or logits.shape[-1])[0].to(logits.device)
+        bad = bad[token_map] if token_map is not None else bad  # (token_map: on that device)
         if not bad.all():
             penalised = penalised.clone() if penalised is logits else penalised
-            penalised[i].masked_fill_(bad.to(logits.device), float("-inf"))
+            penalised[i].masked_fill_(bad, float("-inf"))
     if all(p.greedy for p in params):  # the argmax of the one-hot q, lowest id on ties
         return penalised.argmax(-1), None
     batch = SamplingBatch.from_params(

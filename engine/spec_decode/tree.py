@@ -88,7 +88,8 @@ def sample_at_leaves(
                 num_outputs=job.num_outputs + len(emitted),
                 token_ids=[*job.token_ids, *emitted], row=first_rows[i] + leaf,
                 drafts=(), draft_probs=None, grammar_bits=None,
-                grammar=None if job.grammar is None else advanced(job.grammar, emitted),
+                grammar=None if job.grammar is None
+                else advanced(job.grammar, emitted, sampler.eos_token_ids),
             ))  # fmt: skip
     for i, more in zip(used, sampler(logits, follow), strict=True):
         first = results[i][0]
