@@ -134,11 +134,14 @@ class OutputProcessor:
     @staticmethod
     def output(request: Request, finished: bool | None = None) -> RequestOutput:
         """The request's output now (``finished``: request.finished, when the caller knows)."""
+        samples = request.samples
         return RequestOutput(
             request.request_id,
             request.prompt,
             request.prompt_token_ids,
-            [_completion(request, s) for s in request.samples],
+            [_completion(request, samples[0])]
+            if len(samples) == 1
+            else [_completion(request, s) for s in samples],
             request.finished if finished is None else finished,
             request.error,
             None if request.prompt_logprobs is None else list(request.prompt_logprobs),
@@ -149,17 +152,15 @@ def _completion(request: Request, sample: SampleState) -> CompletionOutput:
     """While a sample runs, the last len(longest stop string) - 1 characters are held back:
     they may be the start of a stop string that the next token completes, and text a caller
     has seen must never shrink."""
-    text = sample.text
-    stops = request.params.stop_strings
-    if stops and sample.finish_reason is None:
-        text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
-    seq = sample.seq
+    text, seq, logprobs = sample.text, sample.seq, sample.logprobs
+    if request.held_chars and sample.finish_reason is None:
+        text = text[: max(0, len(text) - request.held_chars)]
     return CompletionOutput(
         sample.index,
         text,
         seq.token_ids[seq.num_prompt_tokens :],
         sample.finish_reason,
-        None if sample.logprobs is None else list(sample.logprobs),
+        None if logprobs is None else list(logprobs),
         sample.stop_reason,
         sample.cumulative_logprob,
     )

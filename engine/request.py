@@ -8,6 +8,7 @@ from typing import Any
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_state import DraftState
+from engine.step_sampler import greedy_from
 from scheduler import Sequence
 
 
@@ -78,8 +79,15 @@ class Request:
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None  # why the engine aborted it, when a step failed on it
     prompt_logprobs: list[dict[int, float] | None] | None = None  # see RequestOutput
+    # the output count from which its rows are plain greedy (engine.step_sampler.greedy_from)
+    greedy_from: int = field(init=False)
+    # characters an unfinished sample's output holds back: len(longest stop string) - 1
+    held_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.greedy_from = greedy_from(self.params)
+        stops = self.params.stop_strings
+        self.held_chars = max(map(len, stops)) - 1 if stops else 0
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first token follows nothing
 

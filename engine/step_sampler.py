@@ -197,19 +197,24 @@ class StepSampler:
         return rows if masked is None else masked
 
 
-def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
-    """A greedy row with nothing that changes its argmax or asks for more (penalties,
-    min_tokens not yet reached, a constraint, logprobs): its token is the row's argmax, and
-    only that."""
-    return not (
+NEVER_GREEDY = 1 << 62  # greedy_from of a request that is never plain greedy
+
+
+def greedy_from(params: SamplingParams) -> int:
+    """The output count from which a sample's row is plain greedy: a greedy row with nothing
+    that changes its argmax or asks for more (penalties, min_tokens not yet reached, a
+    constraint, logprobs), so its token is the row's argmax and only that; NEVER_GREEDY if
+    that never holds."""
+    if (
         params.temperature
         or params.logprobs is not None
-        or params.min_tokens > num_outputs
         or params.presence_penalty
         or params.frequency_penalty
         or params.repetition_penalty != 1.0
         or params.structured_outputs is not None
-    )
+    ):
+        return NEVER_GREEDY
+    return params.min_tokens
 
 
 def _mask_grammar(

@@ -66,7 +66,7 @@ class BlockManager:
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's live block table (not a copy): callers must not mutate it."""
-        return self._seq(seq_id).table
+        return (self._seqs.get(seq_id) or self._seq(seq_id)).table
 
     def num_tokens(self, seq_id: int) -> int:
         """Slots reserved for the sequence: its logical length, lookahead slots included."""
@@ -155,7 +155,7 @@ class BlockManager:
     def reserve(self, seq_id: int, num_tokens: int) -> tuple[int, int] | None:
         """``append`` as many slots as the table lacks to cover ``num_tokens`` (none if it
         covers them already: it never shrinks)."""
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
         extra = num_tokens - seq.num_tokens
         return self._grow(seq_id, seq, extra) if extra > 0 else None
 
@@ -225,7 +225,7 @@ class BlockManager:
         """After a step: ``truncate`` to ``num_tokens`` slots (None: keep them all), then
         ``commit`` the full blocks of ``token_ids[:num_cacheable]``; one call, cheap when
         neither has anything to do (the engine makes it for every sequence every step)."""
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if num_tokens is not None and num_tokens != seq.num_tokens:
             self.truncate(seq_id, num_tokens)
         if self.enable_prefix_caching and num_cacheable // self.block_size > len(seq.hashes):
@@ -280,6 +280,7 @@ class BlockManager:
     # --- internals -------------------------------------------------------------------------
 
     def _seq(self, seq_id: int) -> _Seq:
+        """(Hot paths read ``self._seqs.get(seq_id) or self._seq(seq_id)``: no call when known.)"""
         try:
             return self._seqs[seq_id]
         except KeyError:

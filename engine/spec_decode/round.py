@@ -28,7 +28,7 @@ from engine.sampler import argmax_rows, token_logprobs
 from engine.spans import Span
 from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.rejection import verify_deterministic_drafts
-from engine.step_sampler import SampleJob, SampleResult, StepSampler, plain_greedy
+from engine.step_sampler import SampleJob, SampleResult, StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
 NO_PROPOSAL = Proposal([], [], {})
@@ -131,7 +131,7 @@ def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]]
             continue
         seq = s.seq
         outputs = len(seq.token_ids) - seq.num_prompt_tokens
-        if not outputs or not plain_greedy(seq.owner.request.params, outputs):
+        if not outputs or outputs < seq.owner.request.greedy_from:
             return None
         starts.append(row)
         owners.append(i)
@@ -159,7 +159,8 @@ def prompt_rows(s: ScheduledSequence) -> int:
 def logit_rows(s: ScheduledSequence, drafts: int = 0) -> int:
     """The span's logit rows (its last tokens'): prompt rows, then the sampling row and one
     per draft where the step samples."""
-    return prompt_rows(s) + (1 + drafts if s.samples else 0)
+    rows = 1 + drafts if s.samples else 0
+    return rows if s.seq.owner.request.prompt_logprobs is None else rows + prompt_rows(s)
 
 
 def keep_prompt_logprobs(round: Round, i: int, logits: torch.Tensor, row: int) -> int:
