@@ -8,7 +8,7 @@ DRY := build/gpu-dry-run
 
 LLAMA_CPP := llama-cpp-python==0.3.36
 
-.PHONY: setup test lint demo serve bench bench-peers clean gpu-wheels gpu-dry-run
+.PHONY: setup test lint demo serve bench bench-peers clean gpu-wheels gpu-stage gpu-dry-run
 
 setup: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-peers: setup
 gpu-wheels: setup
 	$(PY) -m benchmarks.gpu_wheels --dest .whl
 
+# build/gpu-stage/: the default model's GGUF in parts a device call can carry, and the calls that
+# carry them, the check last (docs/gpu.md).
+gpu-stage: gpu-wheels
+	$(PY) -m benchmarks.gpu_stage split
+
 # benchmarks/gpu_check.sh on the CPU at toy sizes, in a fresh virtualenv holding only torch,
 # triton and numpy (this venv's versions) plus the wheels gpu-wheels carries, downloaded for this
 # machine's Python: a missing wheel, a wrong flag or a broken step fails here, not on the GPU.
@@ -67,8 +72,10 @@ gpu-dry-run: gpu-wheels
 	    import version as v; print("triton==" + v("triton"), "numpy==" + v("numpy"))')
 	$(PY) -m benchmarks.gpu_wheels --dest $(DRY)/whl --python-version \
 	    $$($(DRY)/venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	$(PY) -m benchmarks.gpu_stage split --stage $(DRY)/stage --wheels $(DRY)/whl
 	PATH="$(CURDIR)/$(DRY)/venv/bin:$$PATH" GPU_CHECK_DRY_RUN=1 GPU_CHECK_WHEELS=$(DRY)/whl \
-	    GPU_CHECK_SITE=$(DRY)/site OUT=$(DRY)/out bash benchmarks/gpu_check.sh
+	    GPU_CHECK_SITE=$(DRY)/site GPU_CHECK_STAGE=$(DRY)/stage OUT=$(DRY)/out \
+	    bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One-shot check on a lent GPU (H200, Python 3.12, torch + triton preinstalled, no network): the
-# GPU tests, the kernel benchmark and an end-to-end throughput sweep with and without CUDA graphs,
-# each step under its own time limit and writing its JSON under $OUT as soon as it has numbers.
-# The step limits are 110 + 60 + 170 + 100 s, plus the wheel install (the first H200 run took
-# 144 s before the eager step was added), so a rerun fits in the 15 minutes a task is lent. The
-# device call (README, "GPU check"):
+# GPU tests, the kernel benchmark, an end-to-end throughput sweep against HF and speculation on
+# the default model's weights, each step under its own time limit and writing its JSON under
+# $OUT as soon as it has numbers. The step limits are 110 + 60 + 170 + 150 s, plus the wheel
+# install (the first H200 run took 144 s in all). The device calls (README, "GPU check"): those
+# `make gpu-stage` prints, the weights' parts first, then
 #
-#   command: bash benchmarks/gpu_check.sh    carry: [".whl"]    timeout_s: 480
+#   command: bash benchmarks/gpu_check.sh    carry: [".whl", "build/gpu-stage/manifest.json"]
+#   timeout_s: 480
 #
 # .whl/ (make gpu-wheels) holds every other package the steps import, installed offline first.
 # GPU_CHECK_DRY_RUN=1 runs the same steps on the CPU at toy sizes (Triton's interpreter):
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-./gpu_results}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
 WHEELS="${GPU_CHECK_WHEELS:-.whl}"
+STAGE="${GPU_CHECK_STAGE:-build/gpu-stage}"
 DRY="${GPU_CHECK_DRY_RUN:-0}"
 PY=python3
 command -v python3 >/dev/null 2>&1 || PY=python
@@ -39,26 +41,35 @@ echo "=== gpu_check $(date -u +%FT%TZ) in $PWD, results in $OUT, dry run: $DRY"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$WHEELS"/*.whl || { echo "=== gpu_check: wheel install failed"; exit 1; }
-    export PYTHONPATH="$SITE"
 else
     echo "note: no $WHEELS/ (make gpu-wheels); using the installed packages"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', \
 torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, \
 'cuda', torch.cuda.is_available())" || { echo "=== gpu_check: imports failed"; exit 1; }
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+# The default model's real weights, carried in parts by the device calls before this one
+# (make gpu-stage prints them; docs/gpu.md): joined into $SITE, where the engine finds them.
+staged=0
+"$PY" -m benchmarks.gpu_stage join --stage "$STAGE" --site "$SITE" && staged=1
 
 if [ "$DRY" = 1 ]; then
     # float16: the interpreter has no bf16, and the C++ CPU kernels (fp32 only) stay unbuilt.
     device=(--device cpu --dtype float16 --attention-backend triton)
     sweep=(--model-config tiny-llama --batch-sizes 1,4 --input-len 8:16 --output-len 4:8)
     kernel_args=(--tiny --iters 2)
+    spec=(--device cpu --dtype float32 --k-values 2 --num-prompts 1 --max-tokens 4
+        --batch-sizes 1,2 --sweep-max-tokens 4 --sweep-repeats 1 --eagle-prompts 1
+        --eagle-max-tokens 4 --eagle-passes 1 --eagle-batch-sizes 1,2)
 else
     device=(--device cuda --dtype bfloat16)
     sweep=(--model-config llama-3.2-1b --batch-sizes 1,16,64,256 --input-len 128:512
         --output-len 64:128)
     kernel_args=(--iters 10 --max-kv-tokens 262144)
+    spec=(--device cuda --dtype bfloat16 --k-values 4 --num-prompts 4 --max-tokens 64
+        --batch-sizes 1,4,16,64 --sweep-max-tokens 32 --sweep-repeats 2 --eagle-prompts 8
+        --eagle-max-tokens 64 --eagle-passes 1 --eagle-batch-sizes 1,4,16,64)
 fi
 
 # The GPU tests: only these files are collected (no test module that builds the C++ CPU
@@ -70,9 +81,15 @@ step bench-kernels 60 "$PY" -m benchmarks.kernels --output-dir "$OUT" "${kernel_
 step throughput 170 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
     "${sweep[@]}" --repeats 1 --peers hf-static --tag throughput --output-dir "$OUT"
 
-# The same sweep with every step eager (no CUDA graphs), pagedspec alone: what the graphs buy.
-step throughput-eager 100 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
-    "${sweep[@]}" --repeats 1 --peers '' --enforce-eager --tag throughput-eager --output-dir "$OUT"
+# Speculation on the default model's real weights (issue 53): n-gram on the grounded prompts and
+# EAGLE with the shipped head on held-out chat, batch 1 to 64, against none: speedup, tokens per
+# verification, greedy tokens against none's.
+if [ "$staged" = 1 ]; then
+    step spec-decode 150 "$PY" -m benchmarks.spec_decode --methods ngram,eagle "${spec[@]}" \
+        --output-dir "$OUT"
+else
+    echo "note: the default model's weights are not staged (make gpu-stage): no speculation step"
+fi
 
 # Tensor parallelism over NCCL (issue 18): a TP=2 run where there are two GPUs.
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then

@@ -43,6 +43,9 @@ CONTENTION_BATCHES, CONTENTION_RATIO, CONTENTION_QUIET = (1, 16), 0.5, 0.95
 # throughput at batch 32; EAGLE / no speculation at batch 1, both constrained; the share of the
 # 20 schemas x 2 temperatures whose answers parse and validate.
 STRUCTURED_THROUGHPUT, STRUCTURED_EAGLE, STRUCTURED_VALID = 0.9, 1.3, 1.0
+# Issue 53, on a GPU (gpu_check.sh's throughput sweep): the median step's share of wall time
+# outside its forwards at this batch size, at most.
+IDLE_BATCH, IDLE_SHARE = 64, 0.15
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 EAGLE_LABELS = dict(none="no speculation", eagle="eagle", **{"eagle-k4": "eagle, chains of k",
     "eagle-k4-wide": "eagle, chains of k, one leaf more",
@@ -147,7 +150,8 @@ def render_throughput(p: dict) -> list[str]:
         "TTFT p50 / p99 ms={s[ttft_median_s]:ms} / {s[ttft_p99_s]:ms} | "
         "TPOT p50 / p99 ms={s[tpot_median_s]:ms} / {s[tpot_p99_s]:ms} | "
         "pagedspec / peer={r:.2f} | decode ceiling tok/s={c:.0f} | of ceiling={f:.1%} | "
-        "run ceiling tok/s={rc:.0f}"
+        "run ceiling tok/s={rc:.0f} | step ms={s[step_wall_s_p50]:ms} | "
+        "device ms={s[step_device_s_p50]:ms} | device idle={s[device_idle_share_p50]:.0%}"
     )
     blocks = ", ".join(f"B={b}: {s['peak_kv_blocks_used']}/{s['num_kv_blocks']}" for b, s in used)
     after = [
@@ -156,7 +160,9 @@ def render_throughput(p: dict) -> list[str]:
         "The decode ceiling bounds decode alone; the fraction divides generated tokens/s, whose "
         "time includes prefill, by it. The run ceiling is the whole timed run's rate were its "
         "matmuls all it did, at the measured rates: each prompt token's layer FLOPs at the GEMM "
-        "rate, then decode at the decode ceiling.",
+        "rate, then decode at the decode ceiling. Step ms / device ms: pagedspec's median step, "
+        "wall time and its forwards' device time (CUDA events on CUDA, the host's clock on the "
+        "CPU); device idle: the median step's share of wall time outside its forwards.",
         "",
     ]
     if p.get("plot"):  # none where matplotlib is missing (the GPU check)
@@ -245,9 +251,11 @@ SPEC_COLUMNS = (
 )
 SWEEP_COLUMNS = (
     "B={b} | off tok/s={a[tokens_per_s]:.1f} | forced tok/s={c[tokens_per_s]:.1f} | "
-    "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | default tok/s="
+    "forced / off={ratio:.2f} | acceptance={c[acceptance_rate]:.0%} | tokens/verification="
+    "{c[tokens_per_verification]:.2f} | same tokens={c[same_tokens]:.0%} | default tok/s="
     "{d[tokens_per_s]:.1f} | default / off={ratio_default:.2f} | default acceptance="
-    "{d[acceptance_rate]:.0%}"
+    "{d[acceptance_rate]:.0%} | default tokens/verification={d[tokens_per_verification]:.2f} | "
+    "default same tokens={d[same_tokens]:.0%}"
 )
 EAGLE_COLUMNS = (
     "speculation={label} | temperature={r[temperature]} | tok/s={r[tokens_per_s]:.1f} | "
@@ -279,7 +287,8 @@ def render_spec_decode(p: dict) -> list[str]:
     for workload, sweep in p["batch_sweep"].items():
         lines += _render_sweep(workload, sweep)
     lines += _render_eagle(p["eagle"]) if p.get("eagle") else []
-    return [*lines, "", *([f"![speedup vs k]({{results}}/{p['plot']})", ""] if rows else [])]
+    plotted = rows and p.get("plot")  # (the GPU check carries no matplotlib)
+    return [*lines, "", *([f"![speedup vs k]({{results}}/{p['plot']})", ""] if plotted else [])]
 
 
 def _sweep_rows(rows: dict, names: tuple[str, str]) -> list[dict]:
@@ -306,7 +315,8 @@ def _render_sweep(workload: str, sweep: dict) -> list[str]:
         f"'default' is the engine's SpeculativeConfig (speculation off at >= "
         f"{sweep['default_disable_batch_size']} running or waiting sequences); the configs take "
         f"turns, {sweep['repeats']} rounds: tok/s is each config's best run, '/ off' the median "
-        "over the rounds of the round's ratio (drift on the host cancels within a round).",
+        "over the rounds of the round's ratio (drift on the host cancels within a round); "
+        "'same tokens': the share of requests, over the rounds, whose greedy tokens equal off's.",
         "",
         *_table(SWEEP_COLUMNS, rows),
         "",
@@ -650,6 +660,12 @@ def targets(p: dict) -> list[dict]:
                 name = f"throughput, batch {b}: pagedspec {q['name']} vs llama.cpp {q['gguf_type']}"
                 bound = _run_ceiling_ratio(rows[b], "llamacpp")
                 found.append((name, ratios[b]["llamacpp"], least, "x", ">=", bound))
+    if p["benchmark"] == "throughput" and p.get("config", {}).get("device") == "cuda":
+        for r in p["results"]:
+            idle = r["systems"]["pagedspec"].get("device_idle_share_p50")
+            if r["batch_size"] == IDLE_BATCH and idle is not None:
+                name = f"device idle share of a step, batch {IDLE_BATCH}"
+                found.append((name, idle, IDLE_SHARE, "", "<="))
     grounded = p.get("workloads", {}).get("grounded") if p["benchmark"] == "spec_decode" else None
     if grounded:
         # The fastest k's tokens/s and its k.

@@ -129,12 +129,13 @@ def same_tokens(results: dict[str, dict], reference: str, names) -> None:
 def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, default_sizes) -> dict:
     """Output tokens/s per batch size, ``prompts`` cycled: speculation off, forced on at every
     size (``disable_batch_size`` huge) and the engine default at ``default_sizes``. The configs
-    take turns at each size, SWEEP_REPEATS rounds, each keeping its fastest run. A config's
+    take turns at each size, --sweep-repeats rounds, each keeping its fastest run. A config's
     ``vs_off`` is the median over the rounds of its tokens/s over off's in the same round: a
     round's runs are seconds apart, so the ratio cancels the host's slow drift that a ratio of
     two best runs keeps (on a noisy VM, two configs taking the same steps came out 0.90x apart
     that way). The first size where forced loses is the crossover that ``disable_batch_size``
-    should sit below."""
+    should sit below. Each row also has its tokens per verification and ``same_tokens``: the
+    share of requests (over the rounds) whose greedy tokens equal off's in the same round."""
     forced = speculative | {"disable_batch_size": 1 << 30}
     configs = {"off": sizes, "forced": sizes, "default": default_sizes}
     n = args.sweep_max_tokens
@@ -151,15 +152,23 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
         run_engine(engine, reqs[max(configs[name])])
     rows: dict[str, dict] = {name: {} for name in engines}
     rates: dict[tuple[str, str], list[float]] = collections.defaultdict(list)  # (name, B): rounds
-    for b, _, (name, engine) in itertools.product(sizes, range(SWEEP_REPEATS), engines.items()):
+    same: dict[tuple[str, str], list[bool]] = collections.defaultdict(list)  # per request
+    repeats = args.sweep_repeats
+    for b, _, (name, engine) in itertools.product(sizes, range(repeats), engines.items()):
         if b in configs[name]:
             run = run_engine(engine, reqs[b], ignore_eos=False)
             seconds = max(t.last_token_s for t in run.timings)
             tokens = sum(len(t) for t in run.token_ids)
             row = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
             rates[name, str(b)].append(row["tokens_per_s"])
+            if name == "off":
+                reference = run.token_ids  # the configs take turns, off first
+            same[name, str(b)] += [x == y for x, y in zip(run.token_ids, reference, strict=True)]
             if row["tokens_per_s"] > rows[name].get(str(b), {}).get("tokens_per_s", 0):
-                rows[name][str(b)] = row | {"acceptance_rate": run.stats["acceptance_rate"]}
+                rows[name][str(b)] = row | {
+                    "acceptance_rate": run.stats["acceptance_rate"],
+                    "tokens_per_verification": run.stats["mean_accepted_length"],
+                }
             print(f"  sweep {name:>7} batch {b:3d}: {tokens / seconds:8.1f} tok/s", flush=True)
     del engines
     workload.release_memory(workload.resolve_device(args.device, args.dtype)[0])
@@ -167,10 +176,11 @@ def sweep(args, spec, prompts: list[list[int]], speculative: dict, sizes, defaul
         if name != "off":
             ratios = [x / y for x, y in zip(runs, rates["off", b], strict=True)]
             rows[name][b]["vs_off"] = statistics.median(ratios)
+            rows[name][b]["same_tokens"] = statistics.mean(same[name, b])
     speedup = {b: row["vs_off"] for b, row in rows["forced"].items()}
     slower, b = [int(b) for b, x in speedup.items() if x < 1.0], str(sizes[-1])
     return {
-        "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": SWEEP_REPEATS,
+        "method": speculative["method"], "k": SWEEP_K, "max_tokens": n, "repeats": repeats,
         "default_disable_batch_size": SpeculativeConfig.of(speculative).disable_batch_size,
         "rows": rows,
         "forced_speedup": speedup, "crossover_batch_size": slower[0] if slower else None,
@@ -310,6 +320,7 @@ def build_parser():
     add("--k-values", default="2,4,6,8", help="ngram")
     add("--batch-sizes", default="1,4,16,32,64", help="ngram sweep; '' skips it")
     add("--sweep-max-tokens", type=int, default=32, help="both sweeps")
+    add("--sweep-repeats", type=int, default=SWEEP_REPEATS, help="both sweeps: rounds")
     add("--eagle-head", default=None, help="a head directory (default: the shipped head)")
     add("--eagle-prompts", type=int, default=8)
     add("--eagle-max-tokens", type=int, default=64)

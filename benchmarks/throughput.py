@@ -29,7 +29,15 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from benchmarks import llamacpp, workload
 from benchmarks.precisions import PRECISIONS, Precision, engine_options, get_precision
-from benchmarks.timing import RequestTiming, quantiles, run_engine, summarize, time_calls, ttft_tpot
+from benchmarks.timing import (
+    DeviceShare,
+    RequestTiming,
+    quantiles,
+    run_engine,
+    summarize,
+    time_calls,
+    ttft_tpot,
+)
 from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, make_workload
 
 # The quantised kernels' own rate bounds their runs (device_rates): engine internals by nature.
@@ -295,10 +303,12 @@ def run_throughput(args, spec, batch_sizes: list[int], precision: Precision | No
         for _ in range(args.repeats):
             engine = make_engine(spec, args, b, blocks, **quantization)
             run_engine(engine, warm, temperature=args.temperature)
+            share = DeviceShare(engine)  # (it holds the engine until deleted)
             measured = run_engine(engine, timed, temperature=args.temperature)
-            del engine
+            figures = summarize(measured.timings, input_tokens) | measured.stats
+            runs["pagedspec"].append(figures | share.figures())
+            del engine, share
             workload.release_memory(device)
-            runs["pagedspec"].append(summarize(measured.timings, input_tokens) | measured.stats)
             for p in others:
                 try:  # a peer that cannot run here is reported, not faked
                     if p == "llamacpp":

@@ -53,6 +53,63 @@ def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True)
     return times
 
 
+class DeviceShare:
+    """How much of each engine step the device computes: a step's wall time (the host's clock)
+    beside its forwards' device time (the target's and a drafter's ``ModelRunner.forward``),
+    taken by CUDA events around them on CUDA, where the host only enqueues (a forward's gaps
+    while the host launches count as device time: a graph replay has none), and by the host's
+    clock on the CPU, which is the device there. Sampling and everything else is host time.
+    Wraps ``engine``'s methods from construction on; ``figures()`` after the run."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.cuda = engine.runner.device.type == "cuda"
+        self.steps: list[tuple[float, list]] = []  # (wall seconds, the step's forwards' timers)
+        self._open: list = []
+        runners = [engine.runner, getattr(getattr(engine.spec, "proposer", None), "runner", None)]
+        for runner in {id(r): r for r in runners if r is not None}.values():
+            self._wrap_forward(runner)
+        step = engine.step
+
+        def timed_step():
+            self._open, start = [], time.perf_counter()
+            out = step()
+            self.steps.append((time.perf_counter() - start, self._open))
+            return out
+
+        engine.step = timed_step
+
+    def _wrap_forward(self, runner) -> None:
+        forward = runner.forward
+
+        def timed(*args, **kwargs):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                out = forward(*args, **kwargs)
+                end.record()
+                self._open.append((start, end))
+            else:
+                start = time.perf_counter()
+                out = forward(*args, **kwargs)
+                self._open.append(time.perf_counter() - start)
+            return out
+
+        runner.forward = timed
+
+    def figures(self) -> dict:
+        """Over the steps that ran a forward, the medians of the wall time, the device time and
+        the idle share (1 - device / wall) per step."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = lambda t: t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3
+        steps = [(wall, sum(map(seconds, timers))) for wall, timers in self.steps if timers]
+        return {
+            "step_wall_s_p50": percentile([wall for wall, _ in steps], 50),
+            "step_device_s_p50": percentile([device for _, device in steps], 50),
+            "device_idle_share_p50": percentile([1 - d / w for w, d in steps], 50),
+        }
+
+
 # Seconds after submission at which a request's first and last output token came out.
 RequestTiming = namedtuple("RequestTiming", "first_token_s last_token_s num_output_tokens")
 EngineRun = namedtuple("EngineRun", "timings token_ids stats")  # per request; stats over the run

