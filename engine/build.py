@@ -12,7 +12,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 import kernels
 from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor, affinity, cpu_limit
-from engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes, uses_cuda_graphs
+from engine.cuda_graphs import CudaGraphCapture, StepGraphs, graph_families, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
 from engine.grammar import Grammars
@@ -119,13 +119,6 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         if index == 0 and tp is None and device.type == "cpu" and config.num_threads is None:
             limit = torch.get_num_threads()
             local.threads = ThreadGovernor(limit, spare=max(0, affinity() - limit))
-        if index == 0 and tp is None and uses_cuda_graphs(config, device):
-            local.graphs = DecodeGraphs(
-                local,
-                graph_batch_sizes(config.max_num_seqs),
-                -(-max_model_len // config.block_size),
-                CudaGraphCapture(),
-            )
         return local if tp is None else DistributedRunner(local, index, tp)
 
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -151,6 +144,15 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
     if target.tokenizer is not None:
         grammars = Grammars(target.tokenizer, vocab_size, eos_token_ids)
     target_runner = runner(target.model, target.config, 0)
+    if tp is None and uses_cuda_graphs(config, device):
+        target_runner.graphs = StepGraphs(
+            target_runner,
+            graph_families(config.max_num_seqs, spec),
+            -(-max_model_len // config.block_size),
+            CudaGraphCapture(),
+            trees=spec is not None and spec.draft_leaves > 0,
+            hidden_layers=proposer.hidden_layers if head is not None else None,
+        )
     speculation = (
         NoSpeculation(step_sampler)
         if proposer is None

@@ -182,7 +182,8 @@ class EngineConfig:
     quantization: str | None = None
     # KV_CACHE_DTYPES: "auto", the model's dtype, or a 16-bit cache under a float32 model.
     kv_cache_dtype: str = "auto"
-    # CUDA: decode steps replay graphs captured at start-up (engine.cuda_graphs) unless True.
+    # CUDA: decode and verification steps replay graphs captured at start-up (engine.cuda_graphs)
+    # unless True.
     enforce_eager: bool = False
     # CPU: the kernels' threads. None: the CPUs free to this process (affinity mask, cgroup
     # quota), fewer while other processes keep some of them busy (engine.cpu_threads).

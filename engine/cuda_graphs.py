@@ -1,20 +1,27 @@
-"""Decode steps replayed as CUDA graphs: one captured forward per padded batch size.
+"""Steps replayed as CUDA graphs: one captured forward per span length and padded batch size.
 
 A decode step launches hundreds of small kernels (534 for Llama-3.2-1B); the host cannot issue
 them as fast as an H200 runs them (the first GPU check: the GPU busy about 1.6 ms of a 12 ms
 step at batch 1). A graph replays the whole forward with one launch. Its inputs live in static
-buffers: a step of b decode tokens fills the first b rows and is padded to the next captured
-size with rows whose logits nobody reads.
+buffers: a step of b spans fills the first b of them and is padded to the next captured size.
+
+Two families of graphs: decode steps (one token per span) and, with speculation, verification
+steps, each span the last token and up to k drafts (and a draft tree's leaves), padded to the
+longest span the configuration makes. A draft tree rides on the tree-mask buffer (-1: causal).
+With an EAGLE head the graphs also return the target's hidden states, as the eager forward does.
 
 Invariants:
-- Only decode steps are graphed: every span one token with one logit row, at most the largest
-  captured batch, block tables at most ``max_blocks`` wide. Anything else runs eagerly.
-- A padding row writes no KV (slot -1) and attends to one position of the block its table row
-  names first. Every table entry, stale ones included, is a block id handed out earlier, so
-  reading it is harmless.
+- Only steps whose every span wants a logit row per token are graphed (decodes and
+  verifications), at most the family's largest batch, block tables at most ``max_blocks`` wide,
+  every token inside its table. Anything else (prefill chunks) runs eagerly.
+- A padding row (a padding span's, or past a span's last token) writes no KV (slot -1); its
+  logits are dropped. A real row never sees it: it sits after the span's tokens, and attention
+  is causal (a tree's mask names ancestors only). A padding span attends to positions of the
+  block its table row names first; every table entry, stale ones included, is a block id handed
+  out earlier, so reading it is harmless.
 - The table buffer keeps its full width at capture and replay: the attention launch (tile
   shape, split count) depends on shapes only, so the captured launch fits every replay.
-- The logits returned are a view of the graph's output: valid until the next forward.
+- The outputs are the graph's buffers (decode: a view of them): valid until the next forward.
 
 Replays compute what the eager step computes, not the same bits: the matmuls run on the padded
 row count and the attention launch is planned for the full table width (more KV splits), so
@@ -28,17 +35,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.models.attention import AttentionMetadata
 from engine.spans import Span, pack_spans
+from engine.spec_decode.tree import tree_slots
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, SpeculativeConfig
     from engine.model_runner import ModelRunner
 
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits[, hidden states]
 # (replay, output): replay() recomputes output in place from the static buffers.
-Captured = tuple[Callable[[], object], torch.Tensor]
+Captured = tuple[Callable[[], object], Output]
 MAX_GRAPH_BATCH = 256
 
 
@@ -61,13 +71,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, 8, *range(16, top, 16)) if b < top] + [top]
 
 
+def graph_families(max_num_seqs: int, spec: SpeculativeConfig | None) -> dict[int, list[int]]:
+    """Span length -> captured batch sizes: decodes up to ``max_num_seqs`` and, with
+    speculation, verifications (the last token, k drafts and the tree's leaves) up to the
+    batch from which speculation is off."""
+    families = {1: graph_batch_sizes(max_num_seqs)}
+    if spec is not None and spec.disable_batch_size > 1:
+        span = 1 + tree_slots(spec.num_speculative_tokens, spec.draft_leaves)
+        families[span] = graph_batch_sizes(min(max_num_seqs, spec.disable_batch_size - 1))
+    return families
+
+
 class CudaGraphCapture:
     """Captures a forward into a torch.cuda.CUDAGraph; every capture shares one memory pool."""
 
     def __init__(self) -> None:
         self.pool = None
 
-    def __call__(self, forward: Callable[[], torch.Tensor]) -> Captured:
+    def __call__(self, forward: Callable[[], Output]) -> Captured:
         forward()  # warm-up outside the capture: lazy initialisation, Triton compiles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -77,86 +98,152 @@ class CudaGraphCapture:
         return graph.replay, out
 
 
-def rerun_capture(forward: Callable[[], torch.Tensor]) -> Captured:
+def rerun_capture(forward: Callable[[], Output]) -> Captured:
     """CudaGraphCapture's stand-in off CUDA (the tests): replay reruns the forward eagerly on the
-    same static buffers and copies into the same output, so everything but the graph is tested."""
+    same static buffers and copies into the same outputs, so everything but the graph is tested."""
     out = forward()
-    return (lambda: out.copy_(forward())), out
+    outs = out if isinstance(out, tuple) else (out,)
+
+    def replay() -> None:
+        again = forward()
+        for old, new in zip(outs, again if isinstance(again, tuple) else (again,), strict=True):
+            old.copy_(new)
+
+    return replay, out
 
 
-class DecodeGraphs:
-    """The static input buffers and one captured forward per batch size of ``batch_sizes``."""
+class _Family:
+    """The static buffers of the graphs whose spans are padded to ``span_len`` tokens: per row
+    the ids, positions, slots (-1: write nothing) and, for draft trees, the tree mask (-1:
+    causal); cu_query_lens (multiples of span_len), then seq_lens from a 16-byte boundary like
+    the eager runner's (Triton specialises on alignment); the block tables."""
+
+    def __init__(
+        self, span_len: int, batch_sizes: Sequence[int], max_blocks: int, trees: bool, device
+    ) -> None:
+        self.span_len = span_len
+        self.batch_sizes = sorted(batch_sizes)
+        self.trees = trees
+        n = self.batch_sizes[-1]
+        self.int64 = torch.zeros(3 + trees, n * span_len, dtype=torch.int64, device=device)
+        self.int64[2:] = -1
+        self.lens_at = -(-(n + 1) // 4) * 4
+        cu = torch.arange(self.lens_at).clamp(max=n) * span_len
+        self.int32 = torch.cat([cu, torch.full((n,), span_len)]).to(device, torch.int32)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, Captured] = {}
+        self.replays = 0  # steps it replayed so far
+
+
+class StepGraphs:
+    """The graph families (span length -> batch sizes) of one runner, and their dispatch.
+
+    ``hidden_layers`` None: the graphs return logits, as a plain forward; else (an EAGLE target)
+    logits and hidden states, as ``forward(return_hidden=True, hidden_layers=...)``.
+    """
 
     def __init__(
         self,
         runner: ModelRunner,
-        batch_sizes: Sequence[int],
+        families: dict[int, Sequence[int]],
         max_blocks: int,
-        capture: Callable[[Callable[[], torch.Tensor]], Captured],
+        capture: Callable[[Callable[[], Output]], Captured],
+        trees: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.runner = runner
-        self.batch_sizes = sorted(batch_sizes)
         self.max_blocks = max_blocks
-        n = self.batch_sizes[-1]
-        device = runner.device
-        # ids, positions, slots (-1: write nothing); cu_query_lens, then seq_lens (one token
-        # each) from a 16-byte boundary like the eager runner's (Triton specialises on alignment)
-        self.int64 = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.int64[2] = -1
-        self.lens_at = -(-(n + 1) // 4) * 4
-        cu = torch.arange(self.lens_at).clamp(max=n)
-        self.int32 = torch.cat([cu, torch.ones(n)]).to(device, torch.int32)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.replays = 0  # graphed steps so far
-        self.graphs: dict[int, Captured] = {}
+        self.hidden_layers = hidden_layers
+        self.families = {
+            q: _Family(q, sizes, max_blocks, trees and q > 1, runner.device)
+            for q, sizes in sorted(families.items())
+        }
         with torch.inference_mode():
-            for b in reversed(self.batch_sizes):  # the largest first: the pool then fits all
-                self.graphs[b] = capture(lambda b=b: self._forward(b))
+            for family in self.families.values():
+                for b in reversed(family.batch_sizes):  # the largest first: the pool fits all
+                    family.graphs[b] = capture(lambda f=family, b=b: self._forward(f, b))
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The model over the first ``b`` rows of the static buffers -> float32 logits [b, V]."""
-        ids, positions, slots = self.int64[:, :b]
+    def _forward(self, family: _Family, b: int) -> Output:
+        """The model over the first ``b`` spans of ``family``'s buffers -> float32 logits for
+        every row (and the hidden states)."""
+        rows = b * family.span_len
+        ids, positions, slots = family.int64[:3, :rows]
         meta = AttentionMetadata(
             slot_mapping=slots,
-            cu_query_lens=self.int32[: b + 1],
-            seq_lens=self.int32[self.lens_at : self.lens_at + b],
-            block_tables=self.block_tables[:b],
+            cu_query_lens=family.int32[: b + 1],
+            seq_lens=family.int32[family.lens_at : family.lens_at + b],
+            block_tables=family.block_tables[:b],
             backend=self.runner.attention_backend,
+            tree_mask=family.int64[3, :rows] if family.trees else None,
         )
         model = self.runner.model
-        return model.compute_logits(model(ids, positions, self.runner.kv_caches, meta))
+        if self.hidden_layers is None:
+            return model.compute_logits(model(ids, positions, self.runner.kv_caches, meta))
+        hidden = model(ids, positions, self.runner.kv_caches, meta, self.hidden_layers)
+        final = hidden[:, -model.config.hidden_size :] if self.hidden_layers else hidden
+        return model.compute_logits(final), hidden
 
-    def fits(self, spans: Sequence[Span]) -> bool:
+    def fits(
+        self, spans: Sequence[Span], return_hidden: bool = False, hidden_layers: tuple = ()
+    ) -> bool:
+        """Whether a forward of ``spans`` with these options replays a graph."""
+        wanted = tuple(hidden_layers) if return_hidden else None
+        if wanted != self.hidden_layers or hidden_layers and not return_hidden:
+            return False
+        family = self._family(spans)
         size = self.runner.block_size
-        return 0 < len(spans) <= self.batch_sizes[-1] and all(
-            len(s.token_ids) == 1
-            and s.num_logits == 1
-            and len(s.block_table) <= self.max_blocks
-            and s.start < len(s.block_table) * size
-            for s in spans
+        return (
+            family is not None
+            and 0 < len(spans) <= family.batch_sizes[-1]
+            and all(
+                s.num_logits == len(s.token_ids)
+                and len(s.block_table) <= self.max_blocks
+                and s.start + len(s.token_ids) <= len(s.block_table) * size
+                and (s.parents is None or family.trees)
+                for s in spans
+            )
         )
 
-    def run(self, spans: Sequence[Span]) -> torch.Tensor:
-        """Logits [len(spans), V] of a decode step (``fits``), replayed at the next captured
-        size; the padding rows keep the buffers' padding values (slot -1, one-token spans)."""
-        b, n = len(spans), self.batch_sizes[-1]
-        padded = next(g for g in self.batch_sizes if g >= b)
+    def _family(self, spans: Sequence[Span]) -> _Family | None:
+        """The family of the shortest span length that holds every span."""
+        longest = max((len(s.token_ids) for s in spans), default=0)
+        return next((f for q, f in self.families.items() if q >= longest > 0), None)
+
+    def run(self, spans: Sequence[Span]) -> Output:
+        """A ``fits`` step's outputs, replayed at the next captured size: the rows of the
+        spans' tokens, in order (decode: views of the graph's outputs)."""
+        family = self._family(spans)
+        q, b, n = family.span_len, len(spans), family.batch_sizes[-1]
+        padded = next(g for g in family.batch_sizes if g >= b)
         packed = pack_spans(spans, self.runner.block_size)
-        int64 = torch.zeros(3, n, dtype=torch.int64)
-        int64[2] = -1  # padding rows write no K/V
-        for row, values in enumerate((packed.input_ids, packed.positions, packed.slots)):
-            int64[row, :b] = torch.as_tensor(values)
-        # cu_query_lens never change (one token per row): only the seq_lens after them do
-        seq_lens = torch.ones(n, dtype=torch.int32)
-        seq_lens[:b] = torch.as_tensor(packed.seq_lens)
-        table = torch.as_tensor(packed.block_tables, dtype=torch.int32)
-        self._copy(self.int64, int64)
-        self._copy(self.int32[self.lens_at :], seq_lens)
-        self._copy(self.block_tables[:b, : table.shape[1]], table)
-        replay, out = self.graphs[padded]
+        lens = np.diff(np.asarray(packed.cu_query_lens))
+        rows = np.repeat(np.arange(b), lens)
+        dest = rows * q + np.arange(len(rows)) - np.asarray(packed.cu_query_lens)[rows]
+        int64 = torch.zeros(family.int64.shape, dtype=torch.int64)
+        int64[2:] = -1  # padding rows write no K/V (and are causal)
+        tree_mask = packed.tree_mask if packed.tree_mask is not None else np.full(len(rows), -1)
+        values = (packed.input_ids, packed.positions, packed.slots, tree_mask)[: len(int64)]
+        for row, value in enumerate(values):
+            int64[row, dest] = torch.as_tensor(np.asarray(value), dtype=torch.int64)
+        # a span's seq_len counts its padding rows: start + q (a padding span: q)
+        seq_lens = torch.full((n,), q, dtype=torch.int32)
+        seq_lens[:b] = torch.as_tensor(np.asarray(packed.seq_lens) - lens + q)
+        table = torch.as_tensor(np.asarray(packed.block_tables), dtype=torch.int32)
+        self._copy(family.int64, int64)
+        self._copy(family.int32[family.lens_at :], seq_lens)
+        self._copy(family.block_tables[:b, : table.shape[1]], table)
+        replay, out = family.graphs[padded]
         replay()
-        self.replays += 1
-        return out[:b]
+        family.replays += 1
+        if q == 1:  # the rows are the first b
+            return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
+        index = torch.as_tensor(dest, device=self.runner.device)
+        return tuple(o[index] for o in out) if isinstance(out, tuple) else out[index]
+
+    @property
+    def replays(self) -> int:
+        """Graphed steps so far."""
+        return sum(f.replays for f in self.families.values())
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host to device; on CUDA from pinned memory, asynchronously (the pinned-block cache

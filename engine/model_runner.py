@@ -22,7 +22,7 @@ from memory import slot_of
 
 if TYPE_CHECKING:
     from engine.cpu_threads import ThreadGovernor
-    from engine.cuda_graphs import DecodeGraphs
+    from engine.cuda_graphs import StepGraphs
 
 
 class ModelRunner:
@@ -38,8 +38,9 @@ class ModelRunner:
         self.block_size = kv_caches[0][0].shape[1]
         self.attention_backend = attention_backend
         self.device = device
-        # Decode steps replayed as CUDA graphs (engine.cuda_graphs); None: always eager.
-        self.graphs: DecodeGraphs | None = None
+        # Decode and verification steps replayed as CUDA graphs (engine.cuda_graphs); None:
+        # always eager.
+        self.graphs: StepGraphs | None = None
         # Sets the CPU kernels' thread count from the load, checked per forward; None: fixed.
         self.threads: ThreadGovernor | None = None
 
@@ -108,8 +109,8 @@ class ModelRunner:
         ``return_hidden`` the final hidden states of every token too, after those of the layers
         in ``hidden_layers`` (``LlamaModel.forward``'s ``capture``). ``features`` (one row per
         token) go to a model that reads them (a draft head), which computes only the rows that
-        take logits: its hidden states are those rows'. Decode steps that ``graphs`` fit replay
-        a captured graph: their logits are valid until the next forward."""
+        take logits: its hidden states are those rows'. Steps that ``graphs`` fit replay a
+        captured graph: their outputs are valid until the next forward."""
         if self.threads is None:
             return self._forward(spans, return_hidden, features, hidden_layers)
         self.threads.tick()
@@ -125,9 +126,13 @@ class ModelRunner:
         features: torch.Tensor | None,
         hidden_layers: tuple[int, ...],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        plain = features is None and not return_hidden and not hidden_layers
-        if plain and self.graphs is not None and self.graphs.fits(spans):
-            return self.graphs.run(spans)
+        graphs = self.graphs
+        if (
+            features is None
+            and graphs is not None
+            and graphs.fits(spans, return_hidden, hidden_layers)
+        ):
+            return graphs.run(spans)
         packed = pack_spans(spans, self.block_size)
         ids, pos, meta, rows_index = self._inputs(packed)
         if features is not None:  # a draft head computes its logit rows only
