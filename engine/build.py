@@ -12,7 +12,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 import kernels
 from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor, affinity, cpu_limit
-from engine.cuda_graphs import CudaGraphCapture, StepGraphs, graph_families, uses_cuda_graphs
+from engine.cuda_graphs import CudaGraphCapture, capture_graphs, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
 from engine.grammar import Grammars
@@ -145,14 +145,8 @@ def _build(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> En
         grammars = Grammars(target.tokenizer, vocab_size, eos_token_ids)
     target_runner = runner(target.model, target.config, 0)
     if tp is None and uses_cuda_graphs(config, device):
-        target_runner.graphs = StepGraphs(
-            target_runner,
-            graph_families(config.max_num_seqs, spec),
-            -(-max_model_len // config.block_size),
-            CudaGraphCapture(),
-            trees=spec is not None and spec.draft_leaves > 0,
-            hidden_layers=proposer.hidden_layers if head is not None else None,
-        )
+        eagle = proposer if head is not None else None
+        capture_graphs(config, max_model_len, target_runner, eagle, CudaGraphCapture())
     speculation = (
         NoSpeculation(step_sampler)
         if proposer is None

@@ -8,7 +8,8 @@ buffers: a step of b spans fills the first b of them and is padded to the next c
 Two families of graphs: decode steps (one token per span) and, with speculation, verification
 steps, each span the last token and up to k drafts (and a draft tree's leaves), padded to the
 longest span the configuration makes. A draft tree rides on the tree-mask buffer (-1: causal).
-With an EAGLE head the graphs also return the target's hidden states, as the eager forward does.
+With an EAGLE head the target's graphs also return its hidden states, as the eager forward does,
+and the head's draft steps (one token a span, fed features) have graphs of their own.
 
 Invariants:
 - Only steps whose every span wants a logit row per token are graphed (decodes and
@@ -32,6 +33,7 @@ batch sizes.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,6 +47,7 @@ from engine.spec_decode.tree import tree_slots
 if TYPE_CHECKING:
     from engine.config import EngineConfig, SpeculativeConfig
     from engine.model_runner import ModelRunner
+    from engine.spec_decode.eagle import EagleProposer
 
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits[, hidden states]
 # (replay, output): replay() recomputes output in place from the static buffers.
@@ -119,12 +122,22 @@ class _Family:
     the eager runner's (Triton specialises on alignment); the block tables."""
 
     def __init__(
-        self, span_len: int, batch_sizes: Sequence[int], max_blocks: int, trees: bool, device
+        self,
+        span_len: int,
+        batch_sizes: Sequence[int],
+        max_blocks: int,
+        trees: bool,
+        device: torch.device,
+        features: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.span_len = span_len
         self.batch_sizes = sorted(batch_sizes)
         self.trees = trees
         n = self.batch_sizes[-1]
+        if features is not None:  # a draft head's: its input features, and every row's index
+            width, dtype = features
+            self.features = torch.zeros(n * span_len, width, dtype=dtype, device=device)
+            self.rows = torch.arange(n * span_len, device=device)
         self.int64 = torch.zeros(3 + trees, n * span_len, dtype=torch.int64, device=device)
         self.int64[2:] = -1
         self.lens_at = -(-(n + 1) // 4) * 4
@@ -139,7 +152,9 @@ class StepGraphs:
     """The graph families (span length -> batch sizes) of one runner, and their dispatch.
 
     ``hidden_layers`` None: the graphs return logits, as a plain forward; else (an EAGLE target)
-    logits and hidden states, as ``forward(return_hidden=True, hidden_layers=...)``.
+    logits and hidden states, as ``forward(return_hidden=True, hidden_layers=...)``. With
+    ``features`` (width, dtype), a draft head's: its draft steps, one token per span, take
+    features and return logits and hidden states, as ``forward(features=, return_hidden=True)``.
     """
 
     def __init__(
@@ -150,12 +165,14 @@ class StepGraphs:
         capture: Callable[[Callable[[], Output]], Captured],
         trees: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
+        features: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.runner = runner
         self.max_blocks = max_blocks
         self.hidden_layers = hidden_layers
+        self.takes_features = features is not None
         self.families = {
-            q: _Family(q, sizes, max_blocks, trees and q > 1, runner.device)
+            q: _Family(q, sizes, max_blocks, trees and q > 1, runner.device, features)
             for q, sizes in sorted(families.items())
         }
         with torch.inference_mode():
@@ -177,6 +194,12 @@ class StepGraphs:
             tree_mask=family.int64[3, :rows] if family.trees else None,
         )
         model = self.runner.model
+        if self.takes_features:  # a draft head: every row a logit row
+            kv_caches = self.runner.kv_caches
+            hidden = model(
+                ids, positions, kv_caches, meta, family.features[:rows], family.rows[:rows]
+            )
+            return model.compute_logits(hidden), hidden
         if self.hidden_layers is None:
             return model.compute_logits(model(ids, positions, self.runner.kv_caches, meta))
         hidden = model(ids, positions, self.runner.kv_caches, meta, self.hidden_layers)
@@ -184,11 +207,19 @@ class StepGraphs:
         return model.compute_logits(final), hidden
 
     def fits(
-        self, spans: Sequence[Span], return_hidden: bool = False, hidden_layers: tuple = ()
+        self,
+        spans: Sequence[Span],
+        return_hidden: bool = False,
+        hidden_layers: tuple = (),
+        features: bool = False,
     ) -> bool:
         """Whether a forward of ``spans`` with these options replays a graph."""
+        if features != self.takes_features:
+            return False
         wanted = tuple(hidden_layers) if return_hidden else None
-        if wanted != self.hidden_layers or hidden_layers and not return_hidden:
+        if features and (not return_hidden or hidden_layers):
+            return False
+        if not features and (wanted != self.hidden_layers or hidden_layers and not return_hidden):
             return False
         family = self._family(spans)
         size = self.runner.block_size
@@ -209,7 +240,7 @@ class StepGraphs:
         longest = max((len(s.token_ids) for s in spans), default=0)
         return next((f for q, f in self.families.items() if q >= longest > 0), None)
 
-    def run(self, spans: Sequence[Span]) -> Output:
+    def run(self, spans: Sequence[Span], features: torch.Tensor | None = None) -> Output:
         """A ``fits`` step's outputs, replayed at the next captured size: the rows of the
         spans' tokens, in order (decode: views of the graph's outputs)."""
         family = self._family(spans)
@@ -232,6 +263,8 @@ class StepGraphs:
         self._copy(family.int64, int64)
         self._copy(family.int32[family.lens_at :], seq_lens)
         self._copy(family.block_tables[:b, : table.shape[1]], table)
+        if features is not None:  # already on the device
+            family.features[torch.as_tensor(dest, device=features.device)] = features
         replay, out = family.graphs[padded]
         replay()
         family.replays += 1
@@ -251,3 +284,42 @@ class StepGraphs:
         if dst.device.type == "cuda":
             src = src.pin_memory()
         dst.copy_(src, non_blocking=dst.device.type == "cuda")
+
+
+def capture_graphs(
+    config: EngineConfig,
+    max_model_len: int,
+    target: ModelRunner,
+    eagle: EagleProposer | None,
+    capture: Callable[[Callable[[], Output]], Captured],
+) -> None:
+    """The graphs of an engine's runners: the target's decode and verification steps (with an
+    EAGLE head, returning hidden states too) and the head's draft steps. A runner whose capture
+    fails runs eagerly, with a warning: it still serves, slower."""
+    spec = config.speculative_config
+    families = graph_families(config.max_num_seqs, spec)
+    max_blocks = -(-max_model_len // config.block_size)
+    trees = spec is not None and spec.draft_leaves > 0
+    hidden_layers = None if eagle is None else eagle.hidden_layers
+    target.graphs = _captured(
+        "the target's",
+        lambda: StepGraphs(target, families, max_blocks, capture, trees, hidden_layers),
+    )
+    if eagle is not None:  # its draft steps: one token a span, up to where speculation stops
+        head = eagle.head
+        features = (head.config.hidden_size, head.fc.weight.dtype)
+        drafts = {1: families[max(families)]}
+        eagle.runner.graphs = _captured(
+            "the EAGLE head's",
+            lambda: StepGraphs(eagle.runner, drafts, max_blocks, capture, features=features),
+        )
+
+
+def _captured(whose: str, make: Callable[[], StepGraphs]) -> StepGraphs | None:
+    try:
+        return make()
+    except RuntimeError as error:
+        warnings.warn(
+            f"CUDA graphs off for {whose} forwards: capture failed: {error}", stacklevel=3
+        )
+        return None

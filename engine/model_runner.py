@@ -126,13 +126,9 @@ class ModelRunner:
         features: torch.Tensor | None,
         hidden_layers: tuple[int, ...],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        graphs = self.graphs
-        if (
-            features is None
-            and graphs is not None
-            and graphs.fits(spans, return_hidden, hidden_layers)
-        ):
-            return graphs.run(spans)
+        graphs, fed = self.graphs, features is not None
+        if graphs is not None and graphs.fits(spans, return_hidden, hidden_layers, fed):
+            return graphs.run(spans, features)
         packed = pack_spans(spans, self.block_size)
         ids, pos, meta, rows_index = self._inputs(packed)
         if features is not None:  # a draft head computes its logit rows only

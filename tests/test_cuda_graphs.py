@@ -9,6 +9,7 @@ from conftest import build_random_eagle_head
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import (
     StepGraphs,
+    capture_graphs,
     graph_batch_sizes,
     graph_families,
     rerun_capture,
@@ -100,7 +101,8 @@ def _drafts_made(engine: LLMEngine) -> list[list[list[int]]]:
 @pytest.mark.parametrize("method", ["ngram", "eagle-chain", "eagle-tree"])
 def test_graphed_verification_gives_the_eager_tokens(method, tiny_llama, tmp_path):
     """Verification spans (the last token, drafts and a tree's leaves) padded to the family's
-    span length, with EAGLE the target's hidden states from the graph too: the eager tokens."""
+    span length, with EAGLE the target's hidden states from the graph too, and the head's draft
+    steps graphed: the eager tokens and drafts."""
     prompts = ["one two three four five one two three four five one two", "x y x y x y", "z"]
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
     if method != "ngram":
@@ -116,18 +118,15 @@ def test_graphed_verification_gives_the_eager_tokens(method, tiny_llama, tmp_pat
     eager = _generate_all(reference, prompts)
     engine = LLMEngine(EngineConfig(**config))
     drafts = _drafts_made(engine)
-    spec = engine.config.speculative_config
-    proposer = engine.spec.proposer
-    graphs = StepGraphs(
-        engine.runner, graph_families(4, spec), max_blocks=4, capture=rerun_capture,
-        trees=spec.draft_leaves > 0,
-        hidden_layers=proposer.hidden_layers if proposer.needs_target_hidden else None,
-    )  # fmt: skip
-    assert sorted(graphs.families) == [1, 1 + 3 + spec.draft_leaves]
-    engine.runner.graphs = graphs
+    eagle = engine.spec.proposer if method != "ngram" else None
+    capture_graphs(engine.config, engine.max_model_len, engine.runner, eagle, rerun_capture)
+    span = 1 + 3 + engine.config.speculative_config.draft_leaves
+    assert sorted(engine.runner.graphs.families) == [1, span]
     assert _generate_all(engine, prompts) == eager
-    verify = graphs.families[1 + 3 + spec.draft_leaves]
-    assert verify.replays > 0 and engine.get_stats().num_verifications > 0
+    assert engine.runner.graphs.families[span].replays > 0
+    assert engine.get_stats().num_verifications > 0
+    if eagle is not None:  # its draft steps too
+        assert eagle.runner.graphs.replays > 0
     # the same drafts: with EAGLE, the head read the same hidden states (a lossless verifier
     # keeps the tokens whatever the drafts)
     assert drafts == want_drafts and any(any(d) for d in drafts)
