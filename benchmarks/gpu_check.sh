@@ -2,12 +2,12 @@
 # One-shot check on a lent GPU (H200, Python 3.12, torch + triton preinstalled, no network): the
 # GPU tests, the kernel benchmark, an end-to-end throughput sweep against HF and speculation on
 # the default model's weights, each step under its own time limit and writing its JSON under
-# $OUT as soon as it has numbers. The step limits are 110 + 60 + 170 + 150 s, plus the wheel
+# $OUT as soon as it has numbers. The step limits are 110 + 60 + 170 + 90 + 150 s, plus the wheel
 # install (the first H200 run took 144 s in all). The device calls (README, "GPU check"): those
 # `make gpu-stage` prints, the weights' parts first, then
 #
 #   command: bash benchmarks/gpu_check.sh    carry: [".whl", "build/gpu-stage/manifest.json"]
-#   timeout_s: 480
+#   timeout_s: 540
 #
 # .whl/ (make gpu-wheels) holds every other package the steps import, installed offline first.
 # GPU_CHECK_DRY_RUN=1 runs the same steps on the CPU at toy sizes (Triton's interpreter):
@@ -80,6 +80,12 @@ step bench-kernels 60 "$PY" -m benchmarks.kernels --output-dir "$OUT" "${kernel_
 # End to end on dummy weights against HF static batching, one timed run per size.
 step throughput 170 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
     "${sweep[@]}" --repeats 1 --peers hf-static --tag throughput --output-dir "$OUT"
+
+# The same sweep with async scheduling (the host launches step N + 1 before reading step N's
+# tokens), pagedspec alone: what overlapping the host's work with the device's buys.
+step throughput-async 90 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \
+    "${sweep[@]}" --repeats 1 --peers '' --async-scheduling --tag throughput-async \
+    --output-dir "$OUT"
 
 # Speculation on the default model's real weights (issue 53): n-gram on the grounded prompts and
 # EAGLE with the shipped head on held-out chat, batch 1 to 64, against none: speedup, tokens per

@@ -168,6 +168,7 @@ def render_throughput(p: dict) -> list[str]:
     if p.get("plot"):  # none where matplotlib is missing (the GPU check)
         after += [f"![throughput]({{results}}/{p['plot']})", ""]
     graphs = ", CUDA graphs off" if cfg.get("enforce_eager") else ""
+    graphs += ", async scheduling" if cfg.get("async_scheduling") else ""
     title = f"Throughput: {model['name']} ({model['dtype']}, {weights} weights{graphs})"
     return _section(title, notes, columns, rows, after)
 

@@ -432,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--iters", type=int, default=5, help="latency: measured iterations")
     add("--tag", default=None, help="output file name stem (default: throughput or latency)")
     add("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    add("--async-scheduling", action="store_true", help="EngineConfig(async_scheduling=True)")
     add("--tensor-parallel-size", type=int, default=1, help="ranks (CPU threads split among them)")
     return parser
 

@@ -124,7 +124,8 @@ def make_engine(spec: ModelSpec, args, max_num_seqs: int, blocks: int, **options
     fields |= dict(dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE)
     fields |= dict(attention_backend=args.attention_backend)
     fields |= dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks, tensor_parallel_size=tp)
-    fields |= dict(enforce_eager=getattr(args, "enforce_eager", False))  # throughput.py's flag
+    fields |= dict(enforce_eager=getattr(args, "enforce_eager", False))  # throughput.py's flags
+    fields |= dict(async_scheduling=getattr(args, "async_scheduling", False))
     return LLMEngine(EngineConfig(**fields, **options))
 
 

@@ -191,6 +191,10 @@ class EngineConfig:
     # "fcfs", or "priority": requests by add_request's priority (lower first, ties by arrival),
     # and under memory pressure the lowest-priority running sequence is preempted first.
     scheduling_policy: str = "fcfs"
+    # Async scheduling (engine.async_steps): the host schedules and launches step N + 1 before
+    # it reads step N's tokens, so on CUDA it works while the device runs. Steps of plain greedy
+    # decodes only (others run synchronously); without speculation or tensor parallelism.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -218,6 +222,11 @@ class EngineConfig:
                 f"{spec.draft_leaves}: set it to 0, or leave it unset in a dict speculative_config"
             )
         object.__setattr__(self, "speculative_config", spec)
+        if self.async_scheduling and (spec is not None or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "async_scheduling needs speculative_config None and tensor_parallel_size 1 "
+                f"(got {spec and spec.method!r} and {self.tensor_parallel_size})"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.model_runner import with_pending
 from engine.models.attention import AttentionMetadata
 from engine.spans import Span, pack_spans
 from engine.spec_decode.tree import tree_slots
@@ -240,9 +241,15 @@ class StepGraphs:
         longest = max((len(s.token_ids) for s in spans), default=0)
         return next((f for q, f in self.families.items() if q >= longest > 0), None)
 
-    def run(self, spans: Sequence[Span], features: torch.Tensor | None = None) -> Output:
+    def run(
+        self,
+        spans: Sequence[Span],
+        features: torch.Tensor | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> Output:
         """A ``fits`` step's outputs, replayed at the next captured size: the rows of the
-        spans' tokens, in order (decode: views of the graph's outputs)."""
+        spans' tokens, in order (decode: views of the graph's outputs). ``features`` and
+        ``pending`` as ``ModelRunner.forward`` takes them."""
         family = self._family(spans)
         q, b, n = family.span_len, len(spans), family.batch_sizes[-1]
         padded = next(g for g in family.batch_sizes if g >= b)
@@ -261,6 +268,8 @@ class StepGraphs:
         seq_lens[:b] = torch.as_tensor(np.asarray(packed.seq_lens) - lens + q)
         table = torch.as_tensor(np.asarray(packed.block_tables), dtype=torch.int32)
         self._copy(family.int64, int64)
+        if pending is not None:  # placeholders resolved on the device
+            family.int64[0] = with_pending(family.int64[0], pending)
         self._copy(family.int32[family.lens_at :], seq_lens)
         self._copy(family.block_tables[:b, : table.shape[1]], table)
         if features is not None:  # already on the device

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
+from engine.async_steps import AsyncSteps
 from engine.build import EngineParts, build_engine_parts
 from engine.config import EngineConfig
 from engine.distributed.group import WorkerError
@@ -46,6 +47,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count(1)
         self._closed = False
+        self._next_step = AsyncSteps(self).step if config.async_scheduling else self._step
         self._tp = parts.tp  # its workers stop when the engine is collected, shut down, or at exit
         if self._tp is not None:
             weakref.finalize(self, self._tp.shutdown)
@@ -66,14 +68,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Finish it with "abort" now (blocks free at once); its output comes next step."""
         request = self.requests.get(request_id) if isinstance(request_id, str) else None
-        if request is None:
-            return False
-        self._aborted.append(self._abort(request))
-        return True
+        if request is not None:
+            self._aborted.append(self._abort(request))
+        return request is not None
 
     def shutdown(self) -> None:
-        """Abort every request, stop the tensor-parallel workers (also done when the engine is
-        collected); the engine takes no request or step after this."""
+        """Abort every request, stop the tensor-parallel workers (as when it is collected); the
+        engine takes no request or step after this."""
         for request in list(self.requests.values()):
             self._abort(request)
         self._closed = True
@@ -88,12 +89,11 @@ class LLMEngine:
         return EngineStats.of(self.block_manager, self.scheduler, self.spec.stats())
 
     def step(self) -> list[RequestOutput]:
-        """One step: the requests that progressed, and the aborts since the last (kept for the
-        next step if this one raises)."""
+        """One step: the requests that progressed, the aborts since the last (kept if it raises)."""
         self._check_open()
         outputs, self._aborted = self._aborted, []
         try:
-            return outputs + self._step()
+            return outputs + self._next_step()
         except BaseException:
             self._aborted = outputs + self._aborted
             raise
@@ -144,11 +144,11 @@ class LLMEngine:
                     num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV
                     covered = spec_commit(round, i, sample, len(result.token_ids), kept)
                     cacheable = num_computed if covered is None else min(num_computed, covered)
+                    num_computed = max(num_computed, sample.seq.num_computed_tokens)  # (async)
                     update(sample.seq, num_computed, kept, cacheable)
                     if sample.finish_reason is not None:
                         finish(sample.seq)
-                done = record.finish_reason is not None and request.finished
-                if done:
+                if done := record.finish_reason is not None and request.finished:
                     del requests[request.request_id]
             except Exception as error:  # noqa: BLE001 - this request alone is aborted
                 self._abort(request, error)

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from engine.cuda_graphs import StepGraphs
 
 
+def with_pending(ids: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """``ids`` with each placeholder ``-1 - i`` replaced by ``pending[i]``, on the device."""
+    return torch.where(ids < 0, pending[(-1 - ids).clamp(min=0)], ids)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -104,18 +109,22 @@ class ModelRunner:
         return_hidden: bool = False,
         features: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one packed forward; returns float32 logits [sum(num_logits), vocab], and with
         ``return_hidden`` the final hidden states of every token too, after those of the layers
         in ``hidden_layers`` (``LlamaModel.forward``'s ``capture``). ``features`` (one row per
         token) go to a model that reads them (a draft head), which computes only the rows that
-        take logits: its hidden states are those rows'. Steps that ``graphs`` fit replay a
-        captured graph: their outputs are valid until the next forward."""
+        take logits: its hidden states are those rows'. ``pending``: token ids on the device
+        that the host has not read (async scheduling); a span token ``-1 - i`` is
+        ``pending[i]``. Steps that ``graphs`` fit replay a captured graph: their outputs are
+        valid until the next forward."""
+        args = (spans, return_hidden, features, hidden_layers, pending)
         if self.threads is None:
-            return self._forward(spans, return_hidden, features, hidden_layers)
+            return self._forward(*args)
         self.threads.tick()
         try:
-            return self._forward(spans, return_hidden, features, hidden_layers)
+            return self._forward(*args)
         finally:
             self.threads.done()
 
@@ -125,12 +134,15 @@ class ModelRunner:
         return_hidden: bool,
         features: torch.Tensor | None,
         hidden_layers: tuple[int, ...],
+        pending: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         graphs, fed = self.graphs, features is not None
         if graphs is not None and graphs.fits(spans, return_hidden, hidden_layers, fed):
-            return graphs.run(spans, features)
+            return graphs.run(spans, features, pending)
         packed = pack_spans(spans, self.block_size)
         ids, pos, meta, rows_index = self._inputs(packed)
+        if pending is not None:
+            ids = with_pending(ids, pending)
         if features is not None:  # a draft head computes its logit rows only
             if any(span.num_logits > 1 for span in spans):
                 raise ValueError("a draft head's spans take at most one logit row each")

@@ -66,7 +66,7 @@ class ScheduledSequence:
         self.block_table = block_table
         self.start = start = seq.num_computed_tokens
         self.end = end = start + num_new_tokens
-        self.samples = end == len(seq.token_ids)
+        self.samples = end == len(seq.token_ids) + seq.num_pending
 
     def __repr__(self) -> str:
         return (
@@ -131,10 +131,9 @@ class Scheduler:
         bm = self.block_manager
         running = RUNNING
         decoding, prefilling = [], []
-        for seq in self.running:  # a decode has one token left to compute
-            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(
-                seq
-            )
+        for seq in self.running:  # a decode has one token left to compute (maybe pending)
+            left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
+            (decoding if left == 1 else prefilling).append(seq)
 
         if self.config.policy == "priority":  # so a victim is never one already scheduled
             decoding.sort(key=self._key)

@@ -17,9 +17,12 @@ class Sequence:
 
     Invariants:
     - ``token_ids`` = prompt + committed outputs; never holds draft tokens.
-    - ``num_computed_tokens`` tokens (a prefix of ``token_ids``) have their K/V in the cache.
-      A running sequence always has at least one uncomputed token: the next step computes
-      ``token_ids[num_computed_tokens:]`` (a prefill chunk, or the last sampled token).
+    - ``num_pending`` more tokens were sampled by steps whose results the host has not read
+      (async scheduling; 0 otherwise): the sequence is ``len(token_ids) + num_pending`` long.
+    - ``num_computed_tokens`` tokens (a prefix of that) have their K/V in the cache, or will
+      once the steps launched so far are done. A running sequence always has at least one
+      uncomputed token: the next step computes the tokens from ``num_computed_tokens`` on (a
+      prefill chunk, or the last sampled token, pending or not).
     """
 
     __slots__ = (
@@ -27,6 +30,7 @@ class Sequence:
         "token_ids",
         "num_prompt_tokens",
         "num_computed_tokens",
+        "num_pending",
         "status",
         "seats",
         "priority",
@@ -39,6 +43,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.status = SequenceStatus.WAITING
         # Slots of max_num_seqs this sequence holds: n for a prompt that will fork into n
         # samples once its prefill is done, then 1 for each of them.
@@ -57,7 +62,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -387,17 +387,20 @@ def test_gpu_check_benchmark_commands_parse():
         "benchmarks.gpu_stage",  # the staged weights joined
         "benchmarks.kernels",
         "benchmarks.throughput",
+        "benchmarks.throughput",  # the same sweep, async scheduling
         "benchmarks.spec_decode",  # on the staged default model
         "benchmarks.throughput",  # the TP=2 step, on two GPUs
     ]
-    stage_args, kernels_args, throughput_args, spec_args, tp_args = (
+    stage_args, kernels_args, throughput_args, async_args, spec_args, tp_args = (
         _parse(m, shlex.split(argv)) for m, argv in commands
     )
     assert stage_args.action == "join"
     assert not kernels_args.tiny
-    assert (throughput_args.device, throughput_args.dtype) == ("cuda", "bfloat16")
-    assert throughput_args.batch_sizes == "1,16,64,256"
-    assert throughput_args.model_config == "llama-3.2-1b"
+    for args in (throughput_args, async_args):
+        assert (args.device, args.dtype) == ("cuda", "bfloat16")
+        assert args.batch_sizes == "1,16,64,256"
+        assert args.model_config == "llama-3.2-1b"
+    assert async_args.async_scheduling and not throughput_args.async_scheduling
     assert (spec_args.device, spec_args.dtype, spec_args.model) == ("cuda", "bfloat16", None)
     assert spec_args.methods == "ngram,eagle"
     assert spec_args.batch_sizes == spec_args.eagle_batch_sizes == "1,4,16,64"

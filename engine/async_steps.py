@@ -1,0 +1,122 @@
+"""Async scheduling: the host schedules and launches step N + 1 before it reads step N's tokens.
+
+A step of plain greedy decodes samples on the device and leaves its tokens there; the next step
+is scheduled with each of them pending (``Sequence.num_pending``), its spans name them by
+placeholder (``-1 - i``: the previous step's i-th token, resolved on the device by
+``ModelRunner.forward``), and only once it is launched does the host read the previous step's
+tokens and commit them (text, stops, outputs, the block table). On CUDA the device runs step
+N + 1 meanwhile; on the CPU each forward finishes before it returns, so the steps interleave the
+same way without overlapping, which is what the CPU tests check: the tokens of synchronous steps.
+
+A step runs this way when every running sequence is a plain greedy decode (``greedy_from``)
+with room for one more token, nothing waits for admission, and the pool has a block for every
+running sequence (so nothing is preempted); else the launched step is committed and the step
+runs synchronously. A sequence that stopped at step N was launched in N + 1 too: that result is
+dropped (its record is finished), and its blocks were freed at N's commit, which is safe as the
+device runs steps in launch order and a freed block is handed out only by a later step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.outputs import RequestOutput
+from engine.sampler import argmax_rows
+from engine.spans import Span
+from engine.spec_decode.round import Round
+from engine.step_sampler import SampleResult
+from scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+@dataclass
+class Launched:
+    """A step launched and not read: its round and each span's greedy token, on the device."""
+
+    round: Round
+    tokens: torch.Tensor
+
+
+class AsyncSteps:
+    """The engine's steps under async scheduling; owns the launched step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.launched: Launched | None = None
+        self.ready: list[RequestOutput] = []  # committed, not returned yet
+        self.launches = 0  # steps launched async so far
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step where it can run async, then commit the one launched before;
+        else commit that one and run a synchronous step (which also isolates a failed launch).
+        Outputs committed here are kept for the next step if the synchronous one raises."""
+        engine, launched = self.engine, self.launched
+        self.launched = None
+        if self._can_launch():
+            sched = engine.scheduler.schedule(0)
+            try:
+                self.launched = self._launch(sched, launched)
+            except Exception:  # noqa: BLE001 - the synchronous step below meets it again
+                self.launched = None
+        if launched is not None:
+            self.ready += self._read(launched)
+        if self.launched is None:
+            self.ready += engine._step()
+        ready, self.ready = self.ready, []
+        return ready
+
+    def _can_launch(self) -> bool:
+        engine = self.engine
+        scheduler, limit = engine.scheduler, engine.max_model_len
+        running = scheduler.running
+        if (
+            scheduler.waiting
+            or not running
+            or len(running) > scheduler.config.max_num_batched_tokens
+        ):
+            return False  # (each running sequence must get its token this step)
+        if engine.block_manager.num_free_blocks() < len(running):
+            return False  # a decode might need a block: no preemption here
+        for seq in running:
+            length = len(seq.token_ids) + seq.num_pending
+            outputs = length - seq.num_prompt_tokens
+            request = seq.owner.request
+            max_tokens = request.params.max_tokens or limit
+            if length - seq.num_computed_tokens != 1 or outputs < request.greedy_from:
+                return False  # a prefill chunk, or a row that is not plain greedy
+            if outputs >= max_tokens or length >= limit:
+                return False  # its pending token is its last
+        return True
+
+    def _launch(self, sched: SchedulerOutput, previous: Launched | None) -> Launched:
+        """The forward and the greedy tokens of ``sched`` (every span a decode), on the device;
+        then each sequence counts the token pending and its K/V computed."""
+        rows = {}
+        if previous is not None:
+            rows = {s.seq.seq_id: i for i, s in enumerate(previous.round.scheduled)}
+        spans = []
+        for s in sched.scheduled:
+            seq = s.seq
+            token = -1 - rows[seq.seq_id] if seq.num_pending else seq.token_ids[s.start]
+            spans.append(Span([token], s.start, 1, s.block_table))
+        pending = previous.tokens if previous is not None else None
+        logits = self.engine.runner.forward(spans, pending=pending)
+        tokens = argmax_rows(logits)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens = s.end
+            s.seq.num_pending += 1
+        self.launches += 1
+        return Launched(Round(sched.scheduled, spans), tokens)
+
+    def _read(self, launched: Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens (the one host sync) and commit them."""
+        tokens = launched.tokens.tolist()
+        for s in launched.round.scheduled:
+            s.seq.num_pending -= 1
+        results = [[SampleResult([token], None)] for token in tokens]
+        return self.engine._commit(launched.round, results)

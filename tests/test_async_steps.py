@@ -1,0 +1,158 @@
+"""Async scheduling on the CPU (engine.async_steps): each step launched before the previous one
+is read gives the synchronous engine's tokens, outputs and block accounting, whatever stops,
+aborts, failures or non-greedy requests come in between."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.cuda_graphs import capture_graphs, rerun_capture
+
+PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
+
+
+def engine_for(model: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, **kwargs))
+
+
+def launches(engine: LLMEngine) -> int:
+    return engine._next_step.__self__.launches
+
+
+def run(engine: LLMEngine, requests: dict, abort: tuple[str, int] | None = None) -> dict:
+    """Every request's final output; ``abort``: (request id, step) to abort it at."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final, steps, texts = {}, 0, {}
+    while engine.has_unfinished_requests():
+        if abort is not None and steps == abort[1]:
+            assert engine.abort_request(abort[0])
+        for out in engine.step():
+            texts.setdefault(out.request_id, []).append(out.outputs[0].text)
+            if out.finished:
+                assert out.request_id not in final  # finished once
+                final[out.request_id] = out
+        steps += 1
+    bm = engine.block_manager
+    assert bm.num_free_blocks() == bm.num_blocks  # nothing leaked
+    for chunks in texts.values():  # streamed text only grows
+        assert all(b.startswith(a) for a, b in zip(chunks, chunks[1:], strict=False))
+    return final
+
+
+def tokens(final: dict) -> dict:
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for rid, o in final.items()}
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_async_steps_give_the_synchronous_tokens_with_stops_mid_flight(tiny_llama, graphs):
+    """Also replaying graphs (rerun_capture standing in): the pending tokens are resolved in
+    the graph's static buffers."""
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 14, 6)]
+    requests = {str(i): (p, g) for i, (p, g) in enumerate(zip(PROMPTS, greedy, strict=True))}
+    want = tokens(run(engine_for(tiny_llama), requests))
+    # a stop token each request meets mid-way: the step launched after it is dropped
+    stops = {rid: ids[len(ids) // 2] for rid, (ids, _) in want.items() if len(ids) > 4}
+    for rid, stop in stops.items():
+        prompt, params = requests[rid]
+        params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                                stop_token_ids=[stop])  # fmt: skip
+        requests[rid] = (prompt, params)
+    want = tokens(run(engine_for(tiny_llama), requests))
+    assert any(reason == "stop" for _, reason in want.values())
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    if graphs:
+        capture_graphs(engine.config, engine.max_model_len, engine.runner, None, rerun_capture)
+    assert tokens(run(engine, requests)) == want
+    assert launches(engine) > 5
+    assert not graphs or engine.runner.graphs.replays >= launches(engine)
+
+
+def test_requests_that_end_by_length_cost_no_extra_step(tiny_llama):
+    """A sequence whose pending token is its last (max_tokens, max_model_len) is not launched
+    again: the async engine computes exactly the synchronous engine's rows."""
+    requests = {str(i): (p, SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True))
+                for i, p in enumerate(PROMPTS)}  # fmt: skip
+    requests["edge"] = (list(range(100, 120)), SamplingParams(temperature=0, ignore_eos=True))
+    rows = []
+    for options in ({}, {"async_scheduling": True}):
+        engine = engine_for(tiny_llama, max_model_len=26, **options)
+        forward = engine.runner.forward
+        computed = [0]
+
+        def counted(spans, *args, forward=forward, computed=computed, **kwargs):
+            computed[0] += sum(len(s.token_ids) for s in spans)
+            return forward(spans, *args, **kwargs)
+
+        engine.runner.forward = counted
+        final = run(engine, requests)
+        assert final["edge"].outputs[0].finish_reason == "length"
+        rows.append(computed[0])
+    assert rows[0] == rows[1]
+
+
+def test_steps_that_are_not_plain_greedy_run_synchronously(tiny_llama):
+    """A penalised or seeded-sampled request makes its steps synchronous (the greedy ones keep
+    their tokens); once it finishes, the steps go async again."""
+    requests = {
+        "greedy": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+        "seeded": (PROMPTS[1], SamplingParams(temperature=0.9, seed=7, max_tokens=5)),
+        "penalty": (
+            PROMPTS[2],
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.5),
+        ),  # fmt: skip
+        "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, min_tokens=3)),
+    }
+    want = tokens(run(engine_for(tiny_llama), requests))
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    assert tokens(run(engine, requests)) == want
+    assert launches(engine) > 0
+
+
+def test_a_request_that_joins_or_is_aborted_mid_flight(tiny_llama):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
+    requests["long"] = (list(range(200, 240)), greedy)  # two full blocks to cache
+    want = tokens(run(engine_for(tiny_llama), requests))
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    got = run(engine, requests, abort=("2", 5))
+    assert got["2"].outputs[0].finish_reason == "abort"
+    aborted = got["2"].outputs[0].token_ids
+    assert 0 < len(aborted) < 12 and aborted == want["2"][0][: len(aborted)]
+    assert {rid: t for rid, t in tokens(got).items() if rid != "2"} == {
+        rid: t for rid, t in want.items() if rid != "2"
+    }
+    # a prompt whose prefix the async steps cached, added to an idle engine that still holds
+    # a launched step (of finished sequences)
+    again = run(engine, {"again": (list(range(200, 240)), greedy)})
+    assert again["again"].outputs[0].token_ids == want["long"][0]
+    assert engine.get_stats().num_prefix_cache_hit_tokens == 32
+
+
+def test_a_failure_in_a_launched_step_aborts_only_its_request(tiny_llama):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
+    want = tokens(run(engine_for(tiny_llama), requests))
+    long_prompt = list(range(100, 130))  # positions past 33 are the culprit's alone
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    forward = engine.runner.model.forward
+
+    def failing(input_ids, positions, *args):
+        if (positions > 33).any():
+            raise RuntimeError("injected kernel error")
+        return forward(input_ids, positions, *args)
+
+    engine.runner.model.forward = failing
+    got = run(engine, requests | {"bad": (long_prompt, greedy)})
+    assert got["bad"].outputs[0].finish_reason == "abort" and "injected" in got["bad"].error
+    assert len(got["bad"].outputs[0].token_ids) == 5  # those of positions 30-34: 34 failed
+    assert {rid: t for rid, t in tokens(got).items() if rid != "bad"} == want
+    assert launches(engine) > 0
+
+
+def test_async_scheduling_refuses_speculation_and_tensor_parallelism():
+    with pytest.raises(ValueError, match="async_scheduling needs speculative_config None"):
+        EngineConfig(async_scheduling=True, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
