@@ -1,19 +1,24 @@
 """Async scheduling: the host schedules and launches step N + 1 before it reads step N's tokens.
 
-A step of plain greedy decodes samples on the device and leaves its tokens there; the next step
-is scheduled with each of them pending (``Sequence.num_pending``), its spans name them by
-placeholder (``-1 - i``: the previous step's i-th token, resolved on the device by
-``ModelRunner.forward``), and only once it is launched does the host read the previous step's
-tokens and commit them (text, stops, outputs, the block table). On CUDA the device runs step
-N + 1 meanwhile; on the CPU each forward finishes before it returns, so the steps interleave the
-same way without overlapping, which is what the CPU tests check: the tokens of synchronous steps.
+A step of decodes samples on the device and leaves its tokens there; the next step is scheduled
+with each of them pending (``Sequence.num_pending``), its spans name them by placeholder
+(``-1 - i``: the previous step's i-th token, resolved on the device by ``ModelRunner.forward``),
+and only once it is launched does the host read the previous step's tokens and commit them
+(text, stops, outputs, the block table). On CUDA the device runs step N + 1 meanwhile; on the
+CPU each forward finishes before it returns, so the steps interleave the same way without
+overlapping, which is what the CPU tests check: the tokens of synchronous steps.
 
-A step runs this way when every running sequence is a plain greedy decode (``greedy_from``)
-with room for one more token, nothing waits for admission, and the pool has a block for every
-running sequence (so nothing is preempted); else the launched step is committed and the step
-runs synchronously. A sequence that stopped at step N was launched in N + 1 too: that result is
-dropped (its record is finished), and its blocks were freed at N's commit, which is safe as the
-device runs steps in launch order and a freed block is handed out only by a later step.
+A step runs this way when every running sequence is a decode whose row samples on the device
+with nothing read back but its token (``Request.device_sampled``: greedy or sampled, seeded or
+not, min_tokens; no penalties, logprobs or constraint) and has room for one more token, nothing
+waits for admission, and the pool has a block for every running sequence (so nothing is
+preempted); else the launched step is committed and the step runs synchronously.
+
+A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
+is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in
+launch order and a freed block is handed out only by a later step. A seeded row draws what it
+draws synchronously (its generator is its position's); unseeded rows share the sampler's
+generator, which a dropped row also draws from: the same law, other tokens.
 """
 
 from __future__ import annotations
@@ -24,10 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import RequestOutput
-from engine.sampler import argmax_rows
 from engine.spans import Span
 from engine.spec_decode.round import Round
-from engine.step_sampler import SampleResult
+from engine.step_sampler import SampleJob, SampleResult
 from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Launched:
-    """A step launched and not read: its round and each span's greedy token, on the device."""
+    """A step launched and not read: its round and each span's token, on the device."""
 
     round: Round
     tokens: torch.Tensor
@@ -87,15 +91,15 @@ class AsyncSteps:
             outputs = length - seq.num_prompt_tokens
             request = seq.owner.request
             max_tokens = request.params.max_tokens or limit
-            if length - seq.num_computed_tokens != 1 or outputs < request.greedy_from:
-                return False  # a prefill chunk, or a row that is not plain greedy
+            if length - seq.num_computed_tokens != 1 or not request.device_sampled:
+                return False  # a prefill chunk, or a row that reads more than its token
             if outputs >= max_tokens or length >= limit:
                 return False  # its pending token is its last
         return True
 
     def _launch(self, sched: SchedulerOutput, previous: Launched | None) -> Launched:
-        """The forward and the greedy tokens of ``sched`` (every span a decode), on the device;
-        then each sequence counts the token pending and its K/V computed."""
+        """The forward and the tokens of ``sched`` (every span a decode), on the device; then
+        each sequence counts the token pending and its K/V computed."""
         rows = {}
         if previous is not None:
             rows = {s.seq.seq_id: i for i, s in enumerate(previous.round.scheduled)}
@@ -106,7 +110,13 @@ class AsyncSteps:
             spans.append(Span([token], s.start, 1, s.block_table))
         pending = previous.tokens if previous is not None else None
         logits = self.engine.runner.forward(spans, pending=pending)
-        tokens = argmax_rows(logits)
+        jobs = [
+            SampleJob(s.seq.owner.request.params, s.seq.owner.index,
+                      len(s.seq.token_ids) + s.seq.num_pending - s.seq.num_prompt_tokens,
+                      s.seq.token_ids, i)
+            for i, s in enumerate(sched.scheduled)
+        ]  # fmt: skip
+        tokens = self.engine.step_sampler.sample_decodes(logits, jobs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
             s.seq.num_pending += 1

@@ -97,6 +97,14 @@ class StepSampler:
             for job, emitted, start in zip(jobs, tokens, starts, strict=True)
         ]
 
+    def sample_decodes(self, logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
+        """The token of each job, row i (one row, no drafts, no penalties, logprobs or
+        constraint), left on the device: what ``__call__`` emits for these jobs, unread."""
+        rows = self._mask_min_tokens(logits, jobs)
+        if all(job.params.temperature == 0 for job in jobs):
+            return argmax_rows(rows)
+        return self.sampler(*self._batch(rows, jobs))
+
     def _batch(
         self, logits: torch.Tensor, jobs: list[SampleJob]
     ) -> tuple[torch.Tensor, SamplingBatch]:

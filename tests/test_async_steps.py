@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.cuda_graphs import capture_graphs, rerun_capture
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
@@ -92,21 +92,50 @@ def test_requests_that_end_by_length_cost_no_extra_step(tiny_llama):
     assert rows[0] == rows[1]
 
 
-def test_steps_that_are_not_plain_greedy_run_synchronously(tiny_llama):
-    """A penalised or seeded-sampled request makes its steps synchronous (the greedy ones keep
-    their tokens); once it finishes, the steps go async again."""
+def test_seeded_sampling_and_min_tokens_run_async_with_the_synchronous_tokens(tiny_llama):
+    """A seeded row draws from its position's generator: async, the synchronous tokens."""
     requests = {
-        "greedy": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
-        "seeded": (PROMPTS[1], SamplingParams(temperature=0.9, seed=7, max_tokens=5)),
-        "penalty": (
-            PROMPTS[2],
-            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.5),
-        ),  # fmt: skip
-        "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, min_tokens=3)),
+        "seeded": (PROMPTS[1], SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=9)),
+        "top-p": (PROMPTS[0], SamplingParams(temperature=1.2, top_p=0.8, seed=3, max_tokens=11)),
+        "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, min_tokens=6)),
     }
     want = tokens(run(engine_for(tiny_llama), requests))
     engine = engine_for(tiny_llama, async_scheduling=True)
     assert tokens(run(engine, requests)) == want
+    assert launches(engine) > 5
+
+
+# what a row reads beyond its token: its logprobs, or the token history (a penalty; its greedy
+# tokens on "a a a a" repeat the 5th at once, which the penalty must see while it is pending)
+OTHERS = {
+    "logprobs": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2)),
+    "penalty": ("a a a a", SamplingParams(temperature=0, max_tokens=8, presence_penalty=2.0)),
+    "constraint": (
+        PROMPTS[2],
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(
+                choice=["alpha beta gamma delta", "epsilon"]
+            ),
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHERS))
+def test_rows_that_read_more_than_their_token_run_synchronously(tiny_llama, kind):
+    """Logprobs and penalties (constraints too) make their steps synchronous: every output as
+    the synchronous engine's; an unseeded sampled request keeps its law; once they are done
+    the steps go async again."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    requests = {"greedy": (PROMPTS[0], greedy), kind: OTHERS[kind]}
+    want = run(engine_for(tiny_llama), requests)
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    got = run(engine, requests | {"free": (PROMPTS[3], SamplingParams(max_tokens=6))})
+    assert tokens({r: got[r] for r in requests}) == tokens(want)
+    assert got[kind].outputs[0].logprobs == want[kind].outputs[0].logprobs
+    assert len(got["free"].outputs[0].token_ids) <= 6 and got["free"].outputs[0].finish_reason
     assert launches(engine) > 0
 
 
