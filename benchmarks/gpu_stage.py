@@ -103,7 +103,7 @@ def device_calls(stage: Path, manifest: dict, tree_bytes: int, wheels: Path) -> 
     calls = [{"carry": [f"{stage}/{MANIFEST}", f], "command": status, "timeout_s": 60}
              for f, _ in files]  # fmt: skip
     check = {"carry": [str(wheels), f"{stage}/{MANIFEST}", *last]}
-    return [*calls, check | {"command": "bash benchmarks/gpu_check.sh", "timeout_s": 540}]
+    return [*calls, check | {"command": "bash benchmarks/gpu_check.sh", "timeout_s": 600}]
 
 
 def tree_bytes() -> int:

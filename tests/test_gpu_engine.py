@@ -122,3 +122,69 @@ def test_gpu_cuda_graphs_give_the_eager_tokens(tiny_llama):
         if not eager:
             assert engine.runner.graphs.replays >= 2 * len(prompts)
     assert all(tokens[False, str(i)] == tokens[True, str(i)] for i in range(len(prompts)))
+
+
+def _gpu_generate(engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    from engine import SamplingParams
+
+    for i, ids in enumerate(prompts):  # finishing one by one: every padded size replays
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+        engine.add_request(str(i), ids, params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_gpu_graphed_speculation_gives_the_eager_tokens(tiny_llama, tmp_path, method):
+    """Verification steps (and EAGLE's draft steps, with a draft tree) replay graphs."""
+    from conftest import build_random_eagle_head
+
+    from engine import EngineConfig, LLMEngine
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 3}
+    if method == "eagle":
+        head = build_random_eagle_head(tmp_path / "head", tiny_llama, 300, feature_layers=(0,))
+        speculative = {"method": "eagle", "draft_model": head, "num_speculative_tokens": 3,
+                       "draft_leaves": 2}  # fmt: skip
+    speculative |= {"max_draft_skip": 0, "disable_batch_size": 1 << 20}
+    gen = torch.Generator().manual_seed(0)
+    pattern = torch.randint(10, 500, (6,), generator=gen).tolist()
+    prompts = [pattern * n for n in (1, 2, 3, 4)]  # n-gram drafts match
+    tokens = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(
+            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=4, num_kv_blocks=256,
+            enforce_eager=eager, speculative_config=speculative,
+        ))  # fmt: skip
+        tokens[eager] = _gpu_generate(engine, prompts)
+        if not eager:
+            families = engine.runner.graphs.families
+            assert max(families) > 1 and families[max(families)].replays > 0
+            if method == "eagle":
+                assert engine.spec.proposer.runner.graphs.replays > 0
+    assert tokens[False] == tokens[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_async_scheduling_gives_the_synchronous_tokens(tiny_llama):
+    """Pending tokens resolved on the device, in eager steps and in the graphs' buffers."""
+    from engine import EngineConfig, LLMEngine
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 40, 6)]
+    tokens = {}
+    for async_scheduling in (False, True):
+        engine = LLMEngine(EngineConfig(
+            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256,
+            async_scheduling=async_scheduling,
+        ))  # fmt: skip
+        tokens[async_scheduling] = _gpu_generate(engine, prompts)
+        if async_scheduling:
+            assert engine._next_step.__self__.launches > 0
+    assert tokens[True] == tokens[False]
