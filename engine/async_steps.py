@@ -1,6 +1,6 @@
 """Async scheduling: the host schedules and launches step N + 1 before it reads step N's tokens.
 
-A step of decodes samples on the device and leaves its tokens there; the next step is scheduled
+A step samples on the device and leaves its tokens there; the next step is scheduled
 with each of them pending (``Sequence.num_pending``), its spans name them by placeholder
 (``-1 - i``: the previous step's i-th token, resolved on the device by ``ModelRunner.forward``),
 and only once it is launched does the host read the previous step's tokens and commit them
@@ -8,11 +8,12 @@ and only once it is launched does the host read the previous step's tokens and c
 CPU each forward finishes before it returns, so the steps interleave the same way without
 overlapping, which is what the CPU tests check: the tokens of synchronous steps.
 
-A step runs this way when every running sequence is a decode whose row samples on the device
-with nothing read back but its token (``Request.device_sampled``: greedy or sampled, seeded or
-not, min_tokens; no penalties, logprobs or constraint) and has room for one more token, nothing
-waits for admission, and the pool has a block for every running sequence (so nothing is
-preempted); else the launched step is committed and the step runs synchronously.
+A step runs this way (decodes, prefill chunks and admissions alike) when every request reads
+nothing back but its tokens (``Request.device_sampled``: greedy or sampled, seeded or not,
+min_tokens; no penalties, logprobs, prompt logprobs or constraint) and forks no samples at its
+prompt's end (n > 1), every running sequence gets its token this step and has room for it, and
+the pool has a block for every decode (so nothing is preempted); else the launched step is
+committed and the step runs synchronously.
 
 A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
 is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in
@@ -40,9 +41,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class Launched:
-    """A step launched and not read: its round and each span's token, on the device."""
+    """A step launched and not read: its round, and the token of each span that samples (in
+    the order of ``samplers``, indices into the round), on the device."""
 
     round: Round
+    samplers: list[int]
     tokens: torch.Tensor
 
 
@@ -54,6 +57,7 @@ class AsyncSteps:
         self.launched: Launched | None = None
         self.ready: list[RequestOutput] = []  # committed, not returned yet
         self.launches = 0  # steps launched async so far
+        self.failed = 0  # launches that raised (their steps then ran synchronously)
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step where it can run async, then commit the one launched before;
@@ -66,7 +70,7 @@ class AsyncSteps:
             try:
                 self.launched = self._launch(sched, launched)
             except Exception:  # noqa: BLE001 - the synchronous step below meets it again
-                self.launched = None
+                self.launched, self.failed = None, self.failed + 1
         if launched is not None:
             self.ready += self._read(launched)
         if self.launched is None:
@@ -75,58 +79,65 @@ class AsyncSteps:
         return ready
 
     def _can_launch(self) -> bool:
+        """Every request reads nothing but its tokens (and forks no samples at its prompt's
+        end), every running sequence gets its token this step and has room for it, and the
+        pool has a block for every decode (nothing is preempted; admissions check their own)."""
         engine = self.engine
         scheduler, limit = engine.scheduler, engine.max_model_len
         running = scheduler.running
-        if (
-            scheduler.waiting
-            or not running
-            or len(running) > scheduler.config.max_num_batched_tokens
-        ):
-            return False  # (each running sequence must get its token this step)
-        if engine.block_manager.num_free_blocks() < len(running):
-            return False  # a decode might need a block: no preemption here
+        if not (running or scheduler.waiting):
+            return False
+        if len(running) > scheduler.config.max_num_batched_tokens:
+            return False
+        decodes = 0
         for seq in running:
+            request = seq.owner.request
             length = len(seq.token_ids) + seq.num_pending
             outputs = length - seq.num_prompt_tokens
-            request = seq.owner.request
-            max_tokens = request.params.max_tokens or limit
-            if length - seq.num_computed_tokens != 1 or not request.device_sampled:
-                return False  # a prefill chunk, or a row that reads more than its token
-            if outputs >= max_tokens or length >= limit:
-                return False  # its pending token is its last
-        return True
+            if not request.device_sampled or (not outputs and request.params.n > 1):
+                return False
+            if length - seq.num_computed_tokens == 1:  # a decode (else a prefill chunk)
+                decodes += 1
+                if outputs >= (request.params.max_tokens or limit) or length >= limit:
+                    return False  # its pending token is its last
+        if any(not s.owner.request.device_sampled or s.owner.request.params.n > 1
+               for s in scheduler.waiting):  # fmt: skip
+            return False
+        return engine.block_manager.num_free_blocks() >= decodes
 
     def _launch(self, sched: SchedulerOutput, previous: Launched | None) -> Launched:
-        """The forward and the tokens of ``sched`` (every span a decode), on the device; then
-        each sequence counts the token pending and its K/V computed."""
+        """The forward of ``sched`` and the token of each span that reaches its sequence's end,
+        on the device; then each sequence counts its tokens computed and that one pending."""
         rows = {}
         if previous is not None:
-            rows = {s.seq.seq_id: i for i, s in enumerate(previous.round.scheduled)}
-        spans = []
-        for s in sched.scheduled:
+            scheduled = previous.round.scheduled
+            rows = {scheduled[i].seq.seq_id: j for j, i in enumerate(previous.samplers)}
+        spans, jobs, samplers = [], [], []
+        for i, s in enumerate(sched.scheduled):
             seq = s.seq
-            token = -1 - rows[seq.seq_id] if seq.num_pending else seq.token_ids[s.start]
-            spans.append(Span([token], s.start, 1, s.block_table))
-        pending = previous.tokens if previous is not None else None
-        logits = self.engine.runner.forward(spans, pending=pending)
-        jobs = [
-            SampleJob(s.seq.owner.request.params, s.seq.owner.index,
-                      len(s.seq.token_ids) + s.seq.num_pending - s.seq.num_prompt_tokens,
-                      s.seq.token_ids, i)
-            for i, s in enumerate(sched.scheduled)
-        ]  # fmt: skip
+            ids = [-1 - rows[seq.seq_id]] if seq.num_pending else seq.token_ids[s.start : s.end]
+            spans.append(Span(ids, s.start, int(s.samples), s.block_table))
+            if s.samples:
+                outputs = len(seq.token_ids) + seq.num_pending - seq.num_prompt_tokens
+                params, index = seq.owner.request.params, seq.owner.index
+                jobs.append(SampleJob(params, index, outputs, seq.token_ids, len(jobs)))
+                samplers.append(i)
+        pending = previous.tokens if previous is not None and previous.samplers else None
+        runner = self.engine.runner
+        runner.copy_blocks(sched.blocks_to_copy)  # (copy-on-write: after the steps before it)
+        logits = runner.forward(spans, pending=pending)
         tokens = self.engine.step_sampler.sample_decodes(logits, jobs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
-            s.seq.num_pending += 1
+            s.seq.num_pending += s.samples
         self.launches += 1
-        return Launched(Round(sched.scheduled, spans), tokens)
+        return Launched(Round(sched.scheduled, spans), samplers, tokens)
 
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync) and commit them."""
-        tokens = launched.tokens.tolist()
-        for s in launched.round.scheduled:
-            s.seq.num_pending -= 1
-        results = [[SampleResult([token], None)] for token in tokens]
-        return self.engine._commit(launched.round, results)
+        round = launched.round
+        results: list[list[SampleResult]] = [[] for _ in round.scheduled]
+        for i, token in zip(launched.samplers, launched.tokens.tolist(), strict=True):
+            round.scheduled[i].seq.num_pending -= 1
+            results[i] = [SampleResult([token], None)]
+        return self.engine._commit(round, results)

@@ -192,8 +192,8 @@ class EngineConfig:
     # and under memory pressure the lowest-priority running sequence is preempted first.
     scheduling_policy: str = "fcfs"
     # Async scheduling (engine.async_steps): the host schedules and launches step N + 1 before
-    # it reads step N's tokens, so on CUDA it works while the device runs. Decode steps whose
-    # rows read nothing but their token (others run synchronously); no speculation or TP.
+    # it reads step N's tokens, so on CUDA it works while the device runs. Steps whose rows
+    # read nothing but their tokens (others run synchronously); no speculation or TP.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -93,7 +93,7 @@ class Request:
         self.held_chars = max(map(len, stops)) - 1 if stops else 0
         params = self.params
         self.device_sampled = not params.has_penalties and params.logprobs is None
-        self.device_sampled &= params.structured_outputs is None
+        self.device_sampled &= params.structured_outputs is None and params.prompt_logprobs is None
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first token follows nothing
 

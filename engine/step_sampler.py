@@ -101,7 +101,7 @@ class StepSampler:
         """The token of each job, row i (one row, no drafts, no penalties, logprobs or
         constraint), left on the device: what ``__call__`` emits for these jobs, unread."""
         rows = self._mask_min_tokens(logits, jobs)
-        if all(job.params.temperature == 0 for job in jobs):
+        if all(job.params.temperature == 0 for job in jobs):  # (none: a step of prompt chunks)
             return argmax_rows(rows)
         return self.sampler(*self._batch(rows, jobs))
 

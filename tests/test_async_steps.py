@@ -16,16 +16,28 @@ def engine_for(model: str, **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, **kwargs))
 
 
-def launches(engine: LLMEngine) -> int:
-    return engine._next_step.__self__.launches
+def launches(engine: LLMEngine, failed: int = 0) -> int:
+    """Steps the engine launched async; ``failed`` of them raised (else they ran as launched)."""
+    steps = engine._next_step.__self__
+    assert steps.failed == failed
+    return steps.launches
 
 
-def run(engine: LLMEngine, requests: dict, abort: tuple[str, int] | None = None) -> dict:
-    """Every request's final output; ``abort``: (request id, step) to abort it at."""
+def run(
+    engine: LLMEngine,
+    requests: dict,
+    abort: tuple[str, int] | None = None,
+    late: dict | None = None,
+) -> dict:
+    """Every request's final output; ``abort``: (request id, step) to abort it at; ``late``:
+    step -> requests to add before it."""
+    late = late or {}
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     final, steps, texts = {}, 0, {}
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or any(step >= steps for step in late):
+        for rid, (prompt, params) in late.get(steps, {}).items():
+            engine.add_request(rid, prompt, params)
         if abort is not None and steps == abort[1]:
             assert engine.abort_request(abort[0])
         for out in engine.step():
@@ -159,6 +171,55 @@ def test_a_request_that_joins_or_is_aborted_mid_flight(tiny_llama):
     assert engine.get_stats().num_prefix_cache_hit_tokens == 32
 
 
+def test_admissions_and_chunked_prefills_run_async_with_the_synchronous_tokens(tiny_llama):
+    """Requests that join mid-run, a long prompt prefilled in chunks beside the decodes (its
+    chunks launched like them), and a request of n = 2 samples, whose prompt's end runs
+    synchronously (it forks there), then decodes async."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS[:2])}
+    late = {
+        3: {"late": (PROMPTS[2], greedy), "long": (list(range(50, 100)), greedy)},
+        6: {
+            "pair": (
+                list(range(300, 340)),
+                SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=7),
+            )
+        },
+    }
+    options = dict(max_num_batched_tokens=16)  # the long prompt takes 4 chunks
+    want = run(engine_for(tiny_llama, **options), requests, late=late)
+    engine = engine_for(tiny_llama, async_scheduling=True, **options)
+    got = run(engine, requests, late=late)
+    assert tokens(got) == tokens(want)
+    assert [o.token_ids for o in got["pair"].outputs] == [o.token_ids for o in want["pair"].outputs]
+    assert launches(engine) >= 10
+
+
+def test_a_prompt_of_n_samples_ends_synchronously_and_its_samples_decode_async(tiny_llama):
+    """Its prompt forks n samples at its end: its chunks run synchronously, then its samples
+    decode async."""
+    pair = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=7)
+    requests = {"pair": (list(range(300, 340)), pair), "short": (PROMPTS[3], pair)}
+    options = dict(max_num_batched_tokens=16)  # three chunks
+    want = run(engine_for(tiny_llama, **options), requests)
+    engine = engine_for(tiny_llama, async_scheduling=True, **options)
+    got = run(engine, requests)
+    for rid in requests:
+        assert [o.token_ids for o in got[rid].outputs] == [o.token_ids for o in want[rid].outputs]
+        assert len(got[rid].outputs) == 2
+    assert launches(engine) == 6  # tokens 2-7
+
+
+def test_a_long_prompt_alone_launches_its_chunks_back_to_back(tiny_llama):
+    """Steps that sample nothing (chunks mid-prompt) leave no tokens for the next to read."""
+    requests = {"long": (list(range(300, 340)), SamplingParams(temperature=0, max_tokens=5))}
+    options = dict(max_num_batched_tokens=16)  # three chunks
+    want = run(engine_for(tiny_llama, **options), requests)
+    engine = engine_for(tiny_llama, async_scheduling=True, **options)
+    assert tokens(run(engine, requests)) == tokens(want)
+    assert launches(engine) == 3 + 4  # the chunks, then tokens 2-5
+
+
 def test_a_failure_in_a_launched_step_aborts_only_its_request(tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
@@ -177,7 +238,7 @@ def test_a_failure_in_a_launched_step_aborts_only_its_request(tiny_llama):
     assert got["bad"].outputs[0].finish_reason == "abort" and "injected" in got["bad"].error
     assert len(got["bad"].outputs[0].token_ids) == 5  # those of positions 30-34: 34 failed
     assert {rid: t for rid, t in tokens(got).items() if rid != "bad"} == want
-    assert launches(engine) > 0
+    assert launches(engine, failed=1) > 0  # the one launch that failed ran synchronously
 
 
 def test_async_scheduling_refuses_speculation_and_tensor_parallelism():
