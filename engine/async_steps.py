@@ -1,6 +1,6 @@
 """Async scheduling: the host schedules and launches step N + 1 before it reads step N's tokens.
 
-A step samples on the device and leaves its tokens there; the next step is scheduled
+A step of decodes samples on the device and leaves its tokens there; the next step is scheduled
 with each of them pending (``Sequence.num_pending``), its spans name them by placeholder
 (``-1 - i``: the previous step's i-th token, resolved on the device by ``ModelRunner.forward``),
 and only once it is launched does the host read the previous step's tokens and commit them
@@ -8,12 +8,11 @@ and only once it is launched does the host read the previous step's tokens and c
 CPU each forward finishes before it returns, so the steps interleave the same way without
 overlapping, which is what the CPU tests check: the tokens of synchronous steps.
 
-A step runs this way (decodes, prefill chunks and admissions alike) when every request reads
-nothing back but its tokens (``Request.device_sampled``: greedy or sampled, seeded or not,
-min_tokens; no penalties, logprobs, prompt logprobs or constraint) and forks no samples at its
-prompt's end (n > 1), every running sequence gets its token this step and has room for it, and
-the pool has a block for every decode (so nothing is preempted); else the launched step is
-committed and the step runs synchronously.
+A step runs this way when every running sequence is a decode whose row samples on the device
+with nothing read back but its token (``Request.device_sampled``: greedy or sampled, seeded or
+not, min_tokens; no penalties, logprobs or constraint) and has room for one more token, nothing
+waits for admission, and the pool has a block for every running sequence (so nothing is
+preempted); else the launched step is committed and the step runs synchronously.
 
 A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
 is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in

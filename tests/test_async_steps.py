@@ -5,6 +5,8 @@ aborts, failures or non-greedy requests come in between."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.cuda_graphs import capture_graphs, rerun_capture
@@ -220,6 +222,19 @@ def test_a_long_prompt_alone_launches_its_chunks_back_to_back(tiny_llama):
     assert launches(engine) == 3 + 4  # the chunks, then tokens 2-5
 
 
+def test_a_step_that_may_preempt_runs_synchronously(tiny_llama):
+    """Three full one-block prompts in a pool of four blocks: their next tokens need a block
+    each, so the step preempts, synchronously, as the synchronous engine does."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = {str(i): ([7 + i] * 16, greedy) for i in range(3)}
+    want = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=4))
+    expected = tokens(run(want, requests))
+    assert want.get_stats().num_preemptions > 0
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=4, async_scheduling=True))
+    assert tokens(run(engine, requests)) == expected
+    assert engine.get_stats().num_preemptions > 0 and launches(engine) > 0
+
+
 def test_a_failure_in_a_launched_step_aborts_only_its_request(tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
@@ -246,3 +261,53 @@ def test_async_scheduling_refuses_speculation_and_tensor_parallelism():
         EngineConfig(async_scheduling=True, speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+
+
+KINDS = {
+    "greedy": dict(temperature=0),
+    "seeded": dict(temperature=0.9, top_p=0.9, seed=11),
+    "penalty": dict(temperature=0, frequency_penalty=1.0),
+    "logprobs": dict(temperature=0, logprobs=1),
+    "pair": dict(n=2, temperature=0.7, seed=3),
+    "min": dict(temperature=0, min_tokens=3),
+}
+
+
+@st.composite
+def workloads(draw):
+    """Requests (prompt, params, the step it joins at) and the engine's memory and budget."""
+    requests = {}
+    for i in range(draw(st.integers(1, 6))):
+        prompt = draw(st.lists(st.integers(3, 500), min_size=1, max_size=40))
+        kind = draw(st.sampled_from(sorted(KINDS)))
+        stop = draw(st.lists(st.integers(3, 500), max_size=2))
+        max_tokens = draw(st.integers(KINDS[kind].get("min_tokens", 1), 12))
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, ignore_eos=True,
+                                **KINDS[kind])  # fmt: skip
+        requests[f"{kind}-{i}"] = (prompt, params, draw(st.integers(0, 5)))
+    options = dict(num_kv_blocks=draw(st.sampled_from([12, 24, 64])),
+                   max_num_batched_tokens=draw(st.sampled_from([16, 48, 2048])))  # fmt: skip
+    return requests, options
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(workload=workloads())
+def test_random_workloads_give_the_synchronous_outputs(tiny_llama, workload):
+    """Mixed kinds joining at random steps, chunked prompts, tight memory (preemption runs
+    synchronously): every output equal to the synchronous engine's, no block leaked."""
+    requests, options = workload
+    late: dict[int, dict] = {}
+    for rid, (prompt, params, step) in requests.items():
+        late.setdefault(step, {})[rid] = (prompt, params)
+    outs = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(EngineConfig(model=tiny_llama, async_scheduling=async_scheduling,
+                                        **options))  # fmt: skip
+        final = run(engine, {}, late=late)
+        outs.append({rid: [(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs]
+                     for rid, o in final.items()})  # fmt: skip
+        if async_scheduling:
+            launches(engine)  # no launch failed
+    assert outs[0] == outs[1]
