@@ -1,18 +1,19 @@
 """Async scheduling: the host schedules and launches step N + 1 before it reads step N's tokens.
 
-A step of decodes samples on the device and leaves its tokens there; the next step is scheduled
-with each of them pending (``Sequence.num_pending``), its spans name them by placeholder
-(``-1 - i``: the previous step's i-th token, resolved on the device by ``ModelRunner.forward``),
-and only once it is launched does the host read the previous step's tokens and commit them
-(text, stops, outputs, the block table). On CUDA the device runs step N + 1 meanwhile; on the
-CPU each forward finishes before it returns, so the steps interleave the same way without
-overlapping, which is what the CPU tests check: the tokens of synchronous steps.
+A step samples on the device and leaves its tokens there; the next step is scheduled with each
+of them pending (``Sequence.num_pending``), its spans name them by placeholder (``-1 - i``: the
+previous step's i-th token, resolved on the device by ``ModelRunner.forward``), and only once it
+is launched does the host read the previous step's tokens (and logprobs) and commit them (text,
+stops, outputs, the block table). On CUDA the device runs step N + 1 meanwhile; on the CPU each
+forward finishes before it returns, so the steps interleave the same way without overlapping,
+which is what the CPU tests check: the outputs of synchronous steps.
 
-A step runs this way when every running sequence is a decode whose row samples on the device
-with nothing read back but its token (``Request.device_sampled``: greedy or sampled, seeded or
-not, min_tokens; no penalties, logprobs or constraint) and has room for one more token, nothing
-waits for admission, and the pool has a block for every running sequence (so nothing is
-preempted); else the launched step is committed and the step runs synchronously.
+A step runs this way (decodes, prefill chunks and admissions alike) when every request reads
+nothing back but its tokens and logprobs (``Request.device_sampled``: greedy or sampled, seeded
+or not, min_tokens, logprobs; no penalties, prompt logprobs or constraint) and forks no samples
+at its prompt's end (n > 1), every running sequence gets its token this step and has room for
+it, and the pool has a block for every decode (so nothing is preempted); else the launched step
+is committed and the step runs synchronously.
 
 A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
 is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import RequestOutput
+from engine.sampler import LogprobTensors, logprob_entries, logprob_tensors
 from engine.spans import Span
 from engine.spec_decode.round import Round
 from engine.step_sampler import SampleJob, SampleResult
@@ -46,6 +48,7 @@ class Launched:
     round: Round
     samplers: list[int]
     tokens: torch.Tensor
+    logprobs: dict[int, LogprobTensors]  # sampler j -> its row's logprob figures, unread
 
 
 class AsyncSteps:
@@ -126,17 +129,25 @@ class AsyncSteps:
         runner.copy_blocks(sched.blocks_to_copy)  # (copy-on-write: after the steps before it)
         logits = runner.forward(spans, pending=pending)
         tokens = self.engine.step_sampler.sample_decodes(logits, jobs)
+        logprobs = {  # of the raw rows, as the synchronous step reports them
+            j: logprob_tensors(logits[j : j + 1], tokens[j : j + 1], job.params.logprobs)
+            for j, job in enumerate(jobs)
+            if job.params.logprobs is not None
+        }
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
             s.seq.num_pending += s.samples
         self.launches += 1
-        return Launched(Round(sched.scheduled, spans), samplers, tokens)
+        return Launched(Round(sched.scheduled, spans), samplers, tokens, logprobs)
 
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync) and commit them."""
         round = launched.round
         results: list[list[SampleResult]] = [[] for _ in round.scheduled]
-        for i, token in zip(launched.samplers, launched.tokens.tolist(), strict=True):
+        tokens = launched.tokens.tolist()
+        for j, (i, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
             round.scheduled[i].seq.num_pending -= 1
-            results[i] = [SampleResult([token], None)]
+            figures = launched.logprobs.get(j)
+            logprobs = None if figures is None else logprob_entries(figures, [token])
+            results[i] = [SampleResult([token], logprobs)]
         return self.engine._commit(round, results)

@@ -106,23 +106,37 @@ def test_requests_that_end_by_length_cost_no_extra_step(tiny_llama):
     assert rows[0] == rows[1]
 
 
-def test_seeded_sampling_and_min_tokens_run_async_with_the_synchronous_tokens(tiny_llama):
-    """A seeded row draws from its position's generator: async, the synchronous tokens."""
+def test_seeded_sampling_min_tokens_and_logprobs_run_async_as_synchronously(tiny_llama):
+    """A seeded row draws from its position's generator: async, the synchronous tokens; and
+    logprobs read with the tokens, the synchronous ones."""
     requests = {
         "seeded": (PROMPTS[1], SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=9)),
         "top-p": (PROMPTS[0], SamplingParams(temperature=1.2, top_p=0.8, seed=3, max_tokens=11)),
         "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, min_tokens=6)),
+        "logprobs": (
+            PROMPTS[2],
+            SamplingParams(temperature=0.5, seed=2, max_tokens=7, logprobs=3),
+        ),  # fmt: skip
     }
-    want = tokens(run(engine_for(tiny_llama), requests))
+    want = run(engine_for(tiny_llama), requests)
     engine = engine_for(tiny_llama, async_scheduling=True)
-    assert tokens(run(engine, requests)) == want
+    got = run(engine, requests)
+    assert tokens(got) == tokens(want)
+    for rid in requests:
+        ours, theirs = got[rid].outputs[0], want[rid].outputs[0]
+        assert (ours.logprobs, ours.cumulative_logprob) == (
+            theirs.logprobs,
+            theirs.cumulative_logprob,
+        )
+    assert len(got["logprobs"].outputs[0].logprobs) == 7
     assert launches(engine) > 5
 
 
-# what a row reads beyond its token: its logprobs, or the token history (a penalty; its greedy
-# tokens on "a a a a" repeat the 5th at once, which the penalty must see while it is pending)
+# what a request reads beyond its tokens: its prompt's logprobs, the token history (a penalty;
+# its greedy tokens on "a a a a" repeat the 5th at once, which the penalty must see while it is
+# pending), a constraint's matcher
 OTHERS = {
-    "logprobs": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2)),
+    "prompt": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1)),
     "penalty": ("a a a a", SamplingParams(temperature=0, max_tokens=8, presence_penalty=2.0)),
     "constraint": (
         PROMPTS[2],
@@ -139,7 +153,7 @@ OTHERS = {
 
 @pytest.mark.parametrize("kind", sorted(OTHERS))
 def test_rows_that_read_more_than_their_token_run_synchronously(tiny_llama, kind):
-    """Logprobs and penalties (constraints too) make their steps synchronous: every output as
+    """Prompt logprobs, penalties and constraints make their steps synchronous: every output as
     the synchronous engine's; an unseeded sampled request keeps its law; once they are done
     the steps go async again."""
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -148,7 +162,7 @@ def test_rows_that_read_more_than_their_token_run_synchronously(tiny_llama, kind
     engine = engine_for(tiny_llama, async_scheduling=True)
     got = run(engine, requests | {"free": (PROMPTS[3], SamplingParams(max_tokens=6))})
     assert tokens({r: got[r] for r in requests}) == tokens(want)
-    assert got[kind].outputs[0].logprobs == want[kind].outputs[0].logprobs
+    assert got[kind].prompt_logprobs == want[kind].prompt_logprobs
     assert len(got["free"].outputs[0].token_ids) <= 6 and got["free"].outputs[0].finish_reason
     assert launches(engine) > 0
 
