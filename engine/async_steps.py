@@ -10,10 +10,11 @@ which is what the CPU tests check: the outputs of synchronous steps.
 
 A step runs this way (decodes, prefill chunks and admissions alike) when every request reads
 nothing back but its tokens and logprobs (``Request.device_sampled``: greedy or sampled, seeded
-or not, min_tokens, logprobs; no penalties, prompt logprobs or constraint) and forks no samples
-at its prompt's end (n > 1), every running sequence gets its token this step and has room for
-it, and the pool has a block for every decode (so nothing is preempted); else the launched step
-is committed and the step runs synchronously.
+or not, min_tokens, penalties (they count a pending token by its placeholder), logprobs; no
+prompt logprobs or constraint) and forks no samples at its prompt's end (n > 1), every running
+sequence gets its token this step and has room for it, and the pool has a block for every
+decode (so nothing is preempted); else the launched step is committed and the step runs
+synchronously.
 
 A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
 is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in
@@ -122,13 +123,16 @@ class AsyncSteps:
             if s.samples:
                 outputs = len(seq.token_ids) + seq.num_pending - seq.num_prompt_tokens
                 params, index = seq.owner.request.params, seq.owner.index
-                jobs.append(SampleJob(params, index, outputs, seq.token_ids, len(jobs)))
+                history = seq.token_ids  # (penalties count its pending token too)
+                if seq.num_pending and params.has_penalties:
+                    history = [*history, ids[0]]
+                jobs.append(SampleJob(params, index, outputs, history, len(jobs)))
                 samplers.append(i)
         pending = previous.tokens if previous is not None and previous.samplers else None
         runner = self.engine.runner
         runner.copy_blocks(sched.blocks_to_copy)  # (copy-on-write: after the steps before it)
         logits = runner.forward(spans, pending=pending)
-        tokens = self.engine.step_sampler.sample_decodes(logits, jobs)
+        tokens = self.engine.step_sampler.sample_decodes(logits, jobs, pending)
         logprobs = {  # of the raw rows, as the synchronous step reports them
             j: logprob_tensors(logits[j : j + 1], tokens[j : j + 1], job.params.logprobs)
             for j, job in enumerate(jobs)

@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.model_runner import with_pending
 from engine.models.attention import AttentionMetadata
-from engine.spans import Span, pack_spans
+from engine.spans import Span, pack_spans, with_pending
 from engine.spec_decode.tree import tree_slots
 
 if TYPE_CHECKING:

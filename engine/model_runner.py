@@ -17,17 +17,12 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
-from engine.spans import Index, PackedSpans, Span, pack_spans
+from engine.spans import Index, PackedSpans, Span, pack_spans, with_pending
 from memory import slot_of
 
 if TYPE_CHECKING:
     from engine.cpu_threads import ThreadGovernor
     from engine.cuda_graphs import StepGraphs
-
-
-def with_pending(ids: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-    """``ids`` with each placeholder ``-1 - i`` replaced by ``pending[i]``, on the device."""
-    return torch.where(ids < 0, pending[(-1 - ids).clamp(min=0)], ids)
 
 
 class ModelRunner:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spans import with_pending
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,14 @@ def apply_penalties(
     logits: torch.Tensor,
     histories: Sequence[TokenHistory],
     token_map: torch.Tensor | None = None,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``logits`` [R, V] with each row's penalties applied, as a new tensor (``logits`` itself,
     untouched, when no history uses penalties: the common case costs one pass over the params).
 
     ``histories`` cover the rows in order. ``token_map`` [V]: the token id of each column (a
-    drafter's reduced vocabulary); None: column c is token c.
+    drafter's reduced vocabulary); None: column c is token c. ``pending``: the tokens that a
+    history's placeholders ``-1 - i`` stand for (``engine.spans.with_pending``).
     """
     if sum(h.num_rows for h in histories) != logits.shape[0]:
         raise ValueError(f"histories cover {sum(h.num_rows for h in histories)} rows, "
@@ -68,14 +71,17 @@ def apply_penalties(
         [start + j for h, start in chosen for j in range(h.num_rows)], device=logits.device
     )
     picked = logits if len(rows) == logits.shape[0] else logits[rows]
-    penalised = _penalise(picked, [h for h, _ in chosen], token_map)
+    penalised = _penalise(picked, [h for h, _ in chosen], token_map, pending)
     if len(rows) == logits.shape[0]:
         return penalised
     return logits.index_copy(0, rows, penalised)
 
 
 def _penalise(
-    logits: torch.Tensor, histories: list[TokenHistory], token_map: torch.Tensor | None
+    logits: torch.Tensor,
+    histories: list[TokenHistory],
+    token_map: torch.Tensor | None,
+    pending: torch.Tensor | None,
 ) -> torch.Tensor:
     """Every row of these histories penalised. Only the logits of seen tokens change, so the
     work is on [rows, L] (L the longest history) plus one copy of the logits: one padded
@@ -98,6 +104,8 @@ def _penalise(
     padded = torch.full((num_spans, len(positions)), width, dtype=torch.long, device=device)
     flat = itertools.chain.from_iterable(itertools.chain(h.token_ids, h.drafts) for h in histories)
     padded[positions < lengths[:, None]] = torch.tensor(list(flat), device=device)
+    if pending is not None:
+        padded = with_pending(padded, pending)
 
     num_rows = torch.tensor([h.num_rows for h in histories], device=device)
     span = torch.repeat_interleave(torch.arange(num_spans, device=device), num_rows)

@@ -84,8 +84,8 @@ class Request:
     # characters an unfinished sample's output holds back: len(longest stop string) - 1
     held_chars: int = field(init=False)
     # its rows sample on the device with nothing read back but their tokens and logprobs (no
-    # penalties, which read the token history, no prompt logprobs or constraint): async
-    # scheduling can take them
+    # prompt logprobs, no constraint, whose matcher reads each token): async scheduling can
+    # take them
     device_sampled: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,8 +93,7 @@ class Request:
         stops = self.params.stop_strings
         self.held_chars = max(map(len, stops)) - 1 if stops else 0
         params = self.params
-        self.device_sampled = not params.has_penalties and params.prompt_logprobs is None
-        self.device_sampled &= params.structured_outputs is None
+        self.device_sampled = params.prompt_logprobs is None and params.structured_outputs is None
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first token follows nothing
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from kernels.tree_mask import tree_mask_of
 from memory import slot_mapping, slot_of
@@ -35,6 +36,12 @@ class Span(NamedTuple):
     num_logits: int
     block_table: Sequence[int]
     parents: Sequence[int] | None = None
+
+
+def with_pending(ids: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """``ids`` with each placeholder ``-1 - i`` (a token the host has not read yet: async
+    scheduling, engine.async_steps) replaced by ``pending[i]``, on the device."""
+    return torch.where(ids < 0, pending[(-1 - ids).clamp(min=0)], ids)
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:

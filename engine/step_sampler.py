@@ -97,16 +97,21 @@ class StepSampler:
             for job, emitted, start in zip(jobs, tokens, starts, strict=True)
         ]
 
-    def sample_decodes(self, logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
-        """The token of each job, row i (one row, no drafts, no penalties, logprobs or
-        constraint), left on the device: what ``__call__`` emits for these jobs, unread."""
+    def sample_decodes(
+        self, logits: torch.Tensor, jobs: list[SampleJob], pending: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The token of each job, row i (one row, no drafts or constraint), left on the device:
+        what ``__call__`` emits for these jobs, unread. A job's ``token_ids`` may end with
+        placeholders for ``pending`` tokens (``engine.spans.with_pending``): penalties count
+        them."""
         rows = self._mask_min_tokens(logits, jobs)
-        if all(job.params.temperature == 0 for job in jobs):  # (none: a step of prompt chunks)
+        greedy = all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs)
+        if greedy:  # (also where there are no jobs: a step of prompt chunks)
             return argmax_rows(rows)
-        return self.sampler(*self._batch(rows, jobs))
+        return self.sampler(*self._batch(rows, jobs, pending))
 
     def _batch(
-        self, logits: torch.Tensor, jobs: list[SampleJob]
+        self, logits: torch.Tensor, jobs: list[SampleJob], pending: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, SamplingBatch]:
         """The jobs' rows penalised (row j of a span counts drafts[:j] as generated), with
         their sampling parameters."""
@@ -115,7 +120,7 @@ class StepSampler:
             params.extend([job.params] * job.num_rows)
             generators.extend(_position_generators(job, logits.device))
         if any(job.params.has_penalties for job in jobs):  # else no work at all
-            logits = apply_penalties(logits, [_history(job) for job in jobs])
+            logits = apply_penalties(logits, [_history(job) for job in jobs], pending=pending)
         batch = SamplingBatch.from_params(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],

@@ -106,17 +106,17 @@ def test_requests_that_end_by_length_cost_no_extra_step(tiny_llama):
     assert rows[0] == rows[1]
 
 
-def test_seeded_sampling_min_tokens_and_logprobs_run_async_as_synchronously(tiny_llama):
-    """A seeded row draws from its position's generator: async, the synchronous tokens; and
-    logprobs read with the tokens, the synchronous ones."""
+def test_seeded_sampling_penalties_and_logprobs_run_async_as_synchronously(tiny_llama):
+    """A seeded row draws from its position's generator: async, the synchronous tokens; a
+    penalty counts the pending token; logprobs read with the tokens are the synchronous ones."""
     requests = {
         "seeded": (PROMPTS[1], SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=9)),
         "top-p": (PROMPTS[0], SamplingParams(temperature=1.2, top_p=0.8, seed=3, max_tokens=11)),
         "min": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, min_tokens=6)),
-        "logprobs": (
-            PROMPTS[2],
-            SamplingParams(temperature=0.5, seed=2, max_tokens=7, logprobs=3),
-        ),  # fmt: skip
+        "logprobs": (PROMPTS[2], SamplingParams(temperature=0.5, seed=2, max_tokens=7, logprobs=3)),
+        # its greedy tokens on "a a a a" repeat the 5th at once: the penalty must count that
+        # token while it is pending
+        "penalty": ("a a a a", SamplingParams(temperature=0, max_tokens=8, presence_penalty=2.0)),
     }
     want = run(engine_for(tiny_llama), requests)
     engine = engine_for(tiny_llama, async_scheduling=True)
@@ -124,20 +124,15 @@ def test_seeded_sampling_min_tokens_and_logprobs_run_async_as_synchronously(tiny
     assert tokens(got) == tokens(want)
     for rid in requests:
         ours, theirs = got[rid].outputs[0], want[rid].outputs[0]
-        assert (ours.logprobs, ours.cumulative_logprob) == (
-            theirs.logprobs,
-            theirs.cumulative_logprob,
-        )
+        assert ours.logprobs == theirs.logprobs
+        assert ours.cumulative_logprob == theirs.cumulative_logprob
     assert len(got["logprobs"].outputs[0].logprobs) == 7
     assert launches(engine) > 5
 
 
-# what a request reads beyond its tokens: its prompt's logprobs, the token history (a penalty;
-# its greedy tokens on "a a a a" repeat the 5th at once, which the penalty must see while it is
-# pending), a constraint's matcher
+# what a request reads beyond its tokens: its prompt's logprobs, a constraint's matcher
 OTHERS = {
     "prompt": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1)),
-    "penalty": ("a a a a", SamplingParams(temperature=0, max_tokens=8, presence_penalty=2.0)),
     "constraint": (
         PROMPTS[2],
         SamplingParams(
@@ -153,9 +148,9 @@ OTHERS = {
 
 @pytest.mark.parametrize("kind", sorted(OTHERS))
 def test_rows_that_read_more_than_their_token_run_synchronously(tiny_llama, kind):
-    """Prompt logprobs, penalties and constraints make their steps synchronous: every output as
-    the synchronous engine's; an unseeded sampled request keeps its law; once they are done
-    the steps go async again."""
+    """Prompt logprobs and constraints make their steps synchronous: every output as the
+    synchronous engine's; an unseeded sampled request keeps its law; once they are done the
+    steps go async again."""
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     requests = {"greedy": (PROMPTS[0], greedy), kind: OTHERS[kind]}
     want = run(engine_for(tiny_llama), requests)
