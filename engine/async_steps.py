@@ -16,6 +16,12 @@ sequence gets its token this step and has room for it, and the pool has a block 
 decode (so nothing is preempted); else the launched step is committed and the step runs
 synchronously.
 
+On CUDA the tokens (and logprob figures) are copied to pinned memory behind an event as the
+step is launched, so reading them waits for that step only. Rows that sample (temperature, top-k
+or -p), mask min_tokens or carry penalties still build small tensors from host lists after the
+forward is queued, which waits for it: those steps overlap the commit only partly (not measured;
+greedy rows build nothing).
+
 A sequence that stopped at step N was launched in N + 1 too: that result is dropped (its record
 is finished), and its blocks were freed at N's commit, which is safe as the device runs steps in
 launch order and a freed block is handed out only by a later step. A seeded row draws what it
@@ -50,6 +56,9 @@ class Launched:
     samplers: list[int]
     tokens: torch.Tensor
     logprobs: dict[int, LogprobTensors]  # sampler j -> its row's logprob figures, unread
+    # the same, copied to the host as they are done (on CUDA, into pinned memory behind an
+    # event, so the read waits for this step only and not for the one launched after it)
+    on_host: tuple[torch.Tensor, dict[int, LogprobTensors], torch.cuda.Event | None]
 
 
 class AsyncSteps:
@@ -65,18 +74,21 @@ class AsyncSteps:
     def step(self) -> list[RequestOutput]:
         """Launch the next step where it can run async, then commit the one launched before;
         else commit that one and run a synchronous step (which also isolates a failed launch).
-        Outputs committed here are kept for the next step if the synchronous one raises."""
-        engine, launched = self.engine, self.launched
-        self.launched = None
+        Until the launch is done, the step launched before stays ``self.launched`` (an
+        interrupt there leaves it for the next step to read); outputs committed here are kept
+        for the next step if the synchronous one raises."""
+        engine, previous, launched = self.engine, self.launched, None
         if self._can_launch():
             sched = engine.scheduler.schedule(0)
-            try:
-                self.launched = self._launch(sched, launched)
-            except Exception:  # noqa: BLE001 - the synchronous step below meets it again
-                self.launched, self.failed = None, self.failed + 1
-        if launched is not None:
-            self.ready += self._read(launched)
-        if self.launched is None:
+            if not sched.is_empty:  # (empty: the waiting do not fit; nothing runs)
+                try:
+                    launched = self._launch(sched, previous)
+                except Exception:  # noqa: BLE001 - the synchronous step below meets it again
+                    self.failed += 1
+        self.launched = launched
+        if previous is not None:
+            self.ready += self._read(previous)
+        if launched is None:
             self.ready += engine._step()
         ready, self.ready = self.ready, []
         return ready
@@ -142,16 +154,38 @@ class AsyncSteps:
             s.seq.num_computed_tokens = s.end
             s.seq.num_pending += s.samples
         self.launches += 1
-        return Launched(Round(sched.scheduled, spans), samplers, tokens, logprobs)
+        return Launched(
+            Round(sched.scheduled, spans), samplers, tokens, logprobs, _to_host(tokens, logprobs)
+        )
 
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync) and commit them."""
         round = launched.round
         results: list[list[SampleResult]] = [[] for _ in round.scheduled]
-        tokens = launched.tokens.tolist()
+        host_tokens, host_logprobs, done = launched.on_host
+        if done is not None:
+            done.synchronize()
+        tokens = host_tokens.tolist()
         for j, (i, token) in enumerate(zip(launched.samplers, tokens, strict=True)):
             round.scheduled[i].seq.num_pending -= 1
-            figures = launched.logprobs.get(j)
+            figures = host_logprobs.get(j)
             logprobs = None if figures is None else logprob_entries(figures, [token])
             results[i] = [SampleResult([token], logprobs)]
         return self.engine._commit(round, results)
+
+
+def _to_host(
+    tokens: torch.Tensor, logprobs: dict[int, LogprobTensors]
+) -> tuple[torch.Tensor, dict[int, LogprobTensors], torch.cuda.Event | None]:
+    """``tokens`` and ``logprobs`` on the host: as they are on the CPU; on CUDA copies into
+    pinned memory, queued behind the step's kernels, with an event that marks them done."""
+    if not tokens.is_cuda:
+        return tokens, logprobs, None
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    on_host = copy(tokens), {j: tuple(map(copy, f)) for j, f in logprobs.items()}
+    done = torch.cuda.Event()
+    done.record()
+    return *on_host, done

@@ -21,7 +21,9 @@ Invariants:
   block its table row names first; every table entry, stale ones included, is a block id handed
   out earlier, so reading it is harmless.
 - The table buffer keeps its full width at capture and replay: the attention launch (tile
-  shape, split count) depends on shapes only, so the captured launch fits every replay.
+  shape, split count) depends on shapes only, so the captured launch fits every replay. A
+  padded span reads up to (span length - 1) slots past its tokens: its family's tables have
+  that many more columns, never written (block 0).
 - The outputs are the graph's buffers (decode: a view of them): valid until the next forward.
 
 Replays compute what the eager step computes, not the same bits: the matmuls run on the padded
@@ -171,8 +173,13 @@ class StepGraphs:
         self.max_blocks = max_blocks
         self.hidden_layers = hidden_layers
         self.takes_features = features is not None
+        # A padded span's seq_len counts its padding rows: its table reads up to (q - 1) slots
+        # past its tokens, so a family's tables have that many more columns, all block 0.
+        size = runner.block_size
         self.families = {
-            q: _Family(q, sizes, max_blocks, trees and q > 1, runner.device, features)
+            q: _Family(
+                q, sizes, max_blocks - (-(q - 1) // size), trees and q > 1, runner.device, features
+            )  # fmt: skip
             for q, sizes in sorted(families.items())
         }
         with torch.inference_mode():

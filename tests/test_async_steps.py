@@ -244,6 +244,35 @@ def test_a_step_that_may_preempt_runs_synchronously(tiny_llama):
     assert engine.get_stats().num_preemptions > 0 and launches(engine) > 0
 
 
+def test_an_interrupt_mid_launch_loses_no_launched_step(tiny_llama):
+    """Ctrl-C inside a launch (where the CPU's time goes): the step launched before stays for
+    the next step to read, and the run goes on to the synchronous outputs."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
+    want = tokens(run(engine_for(tiny_llama), requests))
+    engine = engine_for(tiny_llama, async_scheduling=True)
+    forward, calls = engine.runner.forward, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = interrupted
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            continue
+        final |= {o.request_id: o for o in outputs if o.finished}
+    assert tokens(final) == want and calls[0] > 4
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+
+
 def test_a_failure_in_a_launched_step_aborts_only_its_request(tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}

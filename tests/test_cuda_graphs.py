@@ -59,6 +59,8 @@ def test_graphs_take_decode_and_verification_steps_only(tiny_llama):
     decode, verify = Span([7], 20, 1, [3, 4]), Span([7, 8, 9], 20, 3, [3, 4])
     assert graphs.fits([decode]) and graphs.fits([decode, decode]) and graphs.fits([verify])
     assert graphs._family([decode]).span_len == 1 and graphs._family([verify]).span_len == 4
+    # a span's padding rows may reach one block past the widest table: block 0 is there
+    assert [f.block_tables.shape[1] for f in graphs.families.values()] == [2, 3]
     assert graphs.fits([Span([7, 8, 9, 10], 20, 4, [3, 4])])  # the longest span a family holds
     assert not graphs.fits([])
     assert not graphs.fits([decode] * 3)  # more than the largest size
