@@ -50,14 +50,14 @@ if TYPE_CHECKING:
 @dataclass
 class Launched:
     """A step launched and not read: its round, and the token of each span that samples (in
-    the order of ``samplers``, indices into the round), on the device."""
+    the order of ``samplers``, indices into the round)."""
 
     round: Round
     samplers: list[int]
-    tokens: torch.Tensor
-    logprobs: dict[int, LogprobTensors]  # sampler j -> its row's logprob figures, unread
-    # the same, copied to the host as they are done (on CUDA, into pinned memory behind an
-    # event, so the read waits for this step only and not for the one launched after it)
+    tokens: torch.Tensor  # (the next step's placeholders name them)
+    # the tokens, and per sampler j with logprobs its row's logprob figures, on the host as they
+    # are done (on CUDA copied into pinned memory behind an event: the read waits for this step
+    # only, not for the one launched after it)
     on_host: tuple[torch.Tensor, dict[int, LogprobTensors], torch.cuda.Event | None]
 
 
@@ -154,9 +154,7 @@ class AsyncSteps:
             s.seq.num_computed_tokens = s.end
             s.seq.num_pending += s.samples
         self.launches += 1
-        return Launched(
-            Round(sched.scheduled, spans), samplers, tokens, logprobs, _to_host(tokens, logprobs)
-        )
+        return Launched(Round(sched.scheduled, spans), samplers, tokens, _to_host(tokens, logprobs))
 
     def _read(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync) and commit them."""
