@@ -31,6 +31,7 @@ generator, which a dropped row also draws from: the same law, other tokens.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,8 +116,10 @@ class AsyncSteps:
                 decodes += 1
                 if outputs >= (request.params.max_tokens or limit) or length >= limit:
                     return False  # its pending token is its last
+        # admissions take the queue's head, one seat at least each: only so many can join
+        seats = scheduler.config.max_num_seqs - sum(seq.seats for seq in running)
         if any(not s.owner.request.device_sampled or s.owner.request.params.n > 1
-               for s in scheduler.waiting):  # fmt: skip
+               for s in itertools.islice(scheduler.waiting, max(seats, 0))):  # fmt: skip
             return False
         return engine.block_manager.num_free_blocks() >= decodes
 

@@ -104,9 +104,16 @@ class StepSampler:
         what ``__call__`` emits for these jobs, unread. A job's ``token_ids`` may end with
         placeholders for ``pending`` tokens (``engine.spans.with_pending``): penalties count
         them."""
-        rows = self._mask_min_tokens(logits, jobs)
-        greedy = all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs)
-        if greedy:  # (also where there are no jobs: a step of prompt chunks)
+        return self._samples(self._mask_min_tokens(logits, jobs), jobs, pending)
+
+    def _samples(
+        self, rows: torch.Tensor, jobs: list[SampleJob], pending: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One target sample per row, on the device. Greedy rows (also where there are no
+        jobs: a step of prompt chunks) are each row's argmax, what the sampler computes for an
+        all-greedy batch, which draws nothing, without building sampling parameters or
+        generators."""
+        if all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs):
             return argmax_rows(rows)
         return self.sampler(*self._batch(rows, jobs, pending))
 
@@ -135,13 +142,7 @@ class StepSampler:
         self, rows: torch.Tensor, jobs: list[SampleJob], starts: list[int]
     ) -> list[list[int]]:
         """Deterministic drafts: one target sample per row; a draft is accepted iff equal."""
-        if all(job.params.temperature == 0 and not job.params.has_penalties for job in jobs):
-            # greedy: the argmax of each row (what the sampler computes for an all-greedy
-            # batch, which draws nothing), without building sampling parameters or generators
-            samples = argmax_rows(rows).tolist()
-        else:
-            logits, batch = self._batch(rows, jobs)
-            samples = self.sampler(logits, batch).tolist()
+        samples = self._samples(rows, jobs).tolist()
         return verify_deterministic_drafts(samples, [job.drafts for job in jobs], starts)
 
     def _rejection(
