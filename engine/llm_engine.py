@@ -31,7 +31,7 @@ from scheduler import ScheduledSequence, SchedulerOutput, Sequence, SequenceStat
 
 FINISHED = SequenceStatus.FINISHED
 CUMULATIVE = RequestOutputKind.CUMULATIVE
-NO_RESULT = [SampleResult([], None)]  # a prompt chunk that does not reach the end samples nothing
+NO_RESULT = SampleResult([], None)  # a prompt chunk that does not reach the end samples nothing
 
 
 class LLMEngine:
@@ -136,15 +136,16 @@ class LLMEngine:
             record: SampleState = s.seq.owner
             request = record.request
             try:  # a prompt chunk has no result; a finished prompt of n samples has n
-                if i in round.prompt_logprobs:  # (its rows from s.start predict s.start + 1 on)
-                    self.outputs.add_prompt_logprobs(request, s.start + 1, round.prompt_logprobs[i])
-                records = self._fork(record, len(samples)) if len(samples) > 1 else (record,)
-                for sample, result in zip(records, samples or NO_RESULT, strict=True):
+                if (entries := round.prompt_logprobs.get(i)) is not None:  # (s.start + 1 on)
+                    self.outputs.add_prompt_logprobs(request, s.start + 1, entries)
+                one = len(samples) < 2  # (then no zip: it costs a tenth of this loop's body)
+                pairs = ((record, samples[0] if samples else NO_RESULT),) if one else zip(
+                    self._fork(record, len(samples)), samples, strict=True)  # fmt: skip
+                for sample, result in pairs:
                     kept = append(sample, result.token_ids, result.logprobs)
-                    num_computed = s.end + max(len(kept) - 1, 0)  # accepted drafts' KV
+                    num_computed = s.end + len(kept) - 1 if kept else s.end  # accepted drafts'
                     covered = spec_commit(round, i, sample, len(result.token_ids), kept)
                     cacheable = num_computed if covered is None else min(num_computed, covered)
-                    num_computed = max(num_computed, sample.seq.num_computed_tokens)  # (async)
                     update(sample.seq, num_computed, kept, cacheable)
                     if sample.finish_reason is not None:
                         finish(sample.seq)
@@ -156,8 +157,7 @@ class LLMEngine:
                 continue
             if s.samples and (done or request.params.output_kind is CUMULATIVE):
                 progressed[request.request_id] = request
-        output = self.outputs.output
-        return [output(r, r.request_id not in requests) for r in progressed.values()]
+        return [self.outputs.output(r, r.request_id not in requests) for r in progressed.values()]
 
     def _fork(self, parent: SampleState, n: int) -> list[SampleState]:
         """A finished prompt and n - 1 forks of it sharing its blocks: its n samples."""

@@ -134,11 +134,14 @@ class OutputProcessor:
     @staticmethod
     def output(request: Request, finished: bool | None = None) -> RequestOutput:
         """The request's output now (``finished``: request.finished, when the caller knows)."""
+        samples = request.samples  # (one sample: no list comprehension's frame)
         return RequestOutput(
             request.request_id,
             request.prompt,
             request.prompt_token_ids,
-            [_completion(request, s) for s in request.samples],
+            [_completion(request, samples[0])]
+            if len(samples) == 1
+            else [_completion(request, s) for s in samples],
             request.finished if finished is None else finished,
             request.error,
             None if request.prompt_logprobs is None else list(request.prompt_logprobs),

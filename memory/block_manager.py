@@ -183,8 +183,8 @@ class BlockManager:
             # Sole owner about to overwrite slots past its (truncated) length: any registration
             # of this block would describe content that is about to change.
             pool.forget(table[-1])
-        for _ in range(num_new_blocks):
-            table.append(pool.allocate())
+        if num_new_blocks:
+            table.extend([pool.allocate() for _ in range(num_new_blocks)])
         seq.num_tokens = new_len
         return copy
 

@@ -128,7 +128,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
-        bm = self.block_manager
+        reserve, table = self.block_manager.reserve, self.block_manager.block_table
         running = RUNNING
         decoding, prefilling = [], []
         for seq in self.running:  # a decode has one token left to compute (maybe pending)
@@ -145,9 +145,15 @@ class Scheduler:
             k = num_lookahead_slots if lookahead is None else lookahead(seq)
             if k:
                 k = max(min(k, budget - 1, max_len - len(seq.token_ids)), 0)
-            if not self._reserve(seq, 1 + k, out):
-                continue  # seq itself was preempted
-            out.scheduled.append(ScheduledSequence(seq, 1, k, tuple(bm.block_table(seq.seq_id))))
+            try:  # (most steps: a slot in the last block, no call below this one)
+                cow = reserve(seq.seq_id, seq.num_computed_tokens + 1 + k)
+            except NoFreeBlocksError:  # make room (_reserve tries again)
+                cow = None
+                if not self._reserve(seq, 1 + k, out):
+                    continue  # seq itself was preempted
+            if cow is not None:
+                out.blocks_to_copy.append(cow)
+            out.scheduled.append(ScheduledSequence(seq, 1, k, tuple(table(seq.seq_id))))
             budget -= 1 + k
 
         for seq in prefilling:
@@ -192,13 +198,16 @@ class Scheduler:
         """The one place a sequence moves after a step.
 
         ``new_token_ids`` (sampled and accepted) join the sequence; ``num_computed`` of its tokens
-        now have KV. After a sampling step the block table is rolled back to exactly those
-        tokens: rejected drafts' and unused lookahead slots leave it (no KV memory is touched).
+        now have KV (never fewer than the steps launched since will have: async scheduling).
+        After a sampling step the block table is rolled back to exactly those tokens: rejected
+        drafts' and unused lookahead slots leave it (no KV memory is touched).
         Full blocks among the first ``num_cacheable`` committed tokens are registered for
         prefix caching (a caller lowers it below ``num_computed`` when another model's KV in
         those slots is not valid yet).
         """
         seq.token_ids.extend(new_token_ids)
+        if num_computed < seq.num_computed_tokens:  # steps launched since cover more (async)
+            num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = num_computed
         rollback = num_computed if new_token_ids else None  # a prompt chunk keeps its slots
         self.block_manager.keep(

@@ -142,14 +142,16 @@ def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]]
         row += span.num_logits
     samples = argmax_rows(logits[:row]).tolist()
     drafts = round.proposal.drafts
+    new = tuple.__new__  # (as in NoSpeculation.prepare)
     if drafts:
         emitted = verify_deterministic_drafts(samples, [drafts[i] for i in owners], starts)
+    elif len(owners) == len(round.scheduled):  # one row per span, every span samples
+        return [[new(SampleResult, ([token], None))] for token in samples]
     else:  # one row per span: its sample
         emitted = [[token] for token in samples]
     if len(owners) == len(round.scheduled):  # every span samples: no grouping to do
-        new = tuple.__new__  # (as in NoSpeculation.prepare)
         return [[new(SampleResult, (e, None))] for e in emitted]
-    return by_owner(len(round.scheduled), owners, [SampleResult(e, None) for e in emitted])
+    return by_owner(len(round.scheduled), owners, [new(SampleResult, (e, None)) for e in emitted])
 
 
 def prompt_rows(s: ScheduledSequence) -> int:
