@@ -30,13 +30,16 @@ class BlockStats:
 
 
 class _Seq:
-    __slots__ = ("table", "num_tokens", "hashes")
+    __slots__ = ("table", "num_tokens", "hashes", "frozen")
 
     def __init__(self, table: list[int], num_tokens: int, hashes: list[bytes]) -> None:
         self.table = table
         self.num_tokens = num_tokens
         # Chained hashes of the first len(hashes) blocks, all full and committed.
         self.hashes = hashes
+        # tuple(table) while the table is unchanged (None: made on the next request); every
+        # change of the table drops it
+        self.frozen: tuple[int, ...] | None = None
 
 
 class BlockManager:
@@ -67,6 +70,14 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's live block table (not a copy): callers must not mutate it."""
         return (self._seqs.get(seq_id) or self._seq(seq_id)).table
+
+    def frozen_table(self, seq_id: int) -> tuple[int, ...]:
+        """The sequence's block table as a tuple, made once per change of the table (a decode's
+        changes once every ``block_size`` tokens): a snapshot a step can hold."""
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
+        if seq.frozen is None:
+            seq.frozen = tuple(seq.table)
+        return seq.frozen
 
     def num_tokens(self, seq_id: int) -> int:
         """Slots reserved for the sequence: its logical length, lookahead slots included."""
@@ -179,12 +190,14 @@ class BlockManager:
             pool.release(src)  # ref was > 1: src stays held by the other sequences
             table[-1] = dst
             copy = (src, dst)
+            seq.frozen = None
         elif writes_into_last:
             # Sole owner about to overwrite slots past its (truncated) length: any registration
             # of this block would describe content that is about to change.
             pool.forget(table[-1])
         if num_new_blocks:
             table.extend([pool.allocate() for _ in range(num_new_blocks)])
+            seq.frozen = None
         seq.num_tokens = new_len
         return copy
 
@@ -216,6 +229,7 @@ class BlockManager:
         for index in range(len(table) - 1, keep - 1, -1):
             release(table[index])
         del table[keep:]
+        seq.frozen = None
         del seq.hashes[num_tokens // self.block_size :]
         seq.num_tokens = num_tokens
 

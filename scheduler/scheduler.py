@@ -128,7 +128,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
-        reserve, table = self.block_manager.reserve, self.block_manager.block_table
+        reserve, table = self.block_manager.reserve, self.block_manager.frozen_table
         running = RUNNING
         decoding, prefilling = [], []
         for seq in self.running:  # a decode has one token left to compute (maybe pending)
@@ -153,7 +153,7 @@ class Scheduler:
                     continue  # seq itself was preempted
             if cow is not None:
                 out.blocks_to_copy.append(cow)
-            out.scheduled.append(ScheduledSequence(seq, 1, k, tuple(table(seq.seq_id))))
+            out.scheduled.append(ScheduledSequence(seq, 1, k, table(seq.seq_id)))
             budget -= 1 + k
 
         for seq in prefilling:
@@ -188,7 +188,7 @@ class Scheduler:
         return out
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int, k: int = 0) -> ScheduledSequence:
-        table = tuple(self.block_manager.block_table(seq.seq_id))
+        table = self.block_manager.frozen_table(seq.seq_id)
         return ScheduledSequence(seq, num_new_tokens, k, table)
 
     # --- after the step -----------------------------------------------------------------------

@@ -216,6 +216,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             n = len(seq.tokens)
             assert bm.num_tokens(seq_id) == n
             assert len(bm.block_table(seq_id)) == -(-n // self.size)
+            assert bm.frozen_table(seq_id) == tuple(bm.block_table(seq_id))  # never stale
             for pos, slot in enumerate(bm.slot_ids(seq_id, 0, n)):
                 assert self.kv.get(slot) == tuple(seq.tokens[: pos + 1])
 
