@@ -21,6 +21,7 @@ from engine.async_steps import AsyncSteps
 from engine.build import EngineParts, build_engine_parts
 from engine.config import EngineConfig
 from engine.distributed.group import WorkerError
+from engine.gc_pause import collection_deferred
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
 from engine.request import Request, SampleState
@@ -47,7 +48,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count(1)
         self._closed = False
-        self._next_step = AsyncSteps(self).step if config.async_scheduling else self._step
+        step = AsyncSteps(self).step if config.async_scheduling else self._step
+        self._next_step = collection_deferred(step)  # (it runs when the step returns)
         self._tp = parts.tp  # its workers stop when the engine is collected, shut down, or at exit
         if self._tp is not None:
             weakref.finalize(self, self._tp.shutdown)
@@ -100,8 +102,6 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
-        if not scheduler.has_unfinished():
-            return []
         busy = len(scheduler.running) + len(scheduler.waiting)
         sched = scheduler.schedule(self.spec.lookahead(busy))
         for seq in sched.preempted:

@@ -4,6 +4,8 @@ aborts, failures or non-greedy requests come in between."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,7 @@ def engine_for(model: str, **kwargs) -> LLMEngine:
 
 def launches(engine: LLMEngine, failed: int = 0) -> int:
     """Steps the engine launched async; ``failed`` of them raised (else they ran as launched)."""
-    steps = engine._next_step.__self__
+    steps = inspect.unwrap(engine._next_step).__self__  # (AsyncSteps.step, wrapped)
     assert steps.failed == failed
     return steps.launches
 

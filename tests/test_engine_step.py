@@ -4,6 +4,8 @@ a prefill-only request, draft KV that never touches a registered block)."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -303,3 +305,32 @@ def test_a_request_of_n_samples_holds_n_seats_once_forked(tiny_llama):
     stats = engine.get_stats()
     assert (stats.num_running, stats.num_waiting) == (3, 0)
     run(engine, {})
+
+
+def test_a_step_runs_with_the_cycle_collector_paused(tiny_llama):
+    """engine.gc_pause: the collector is off inside a step (so it never walks the step's live
+    objects), back on when the step returns or raises, and left off where the caller had it off."""
+    engine = engine_for(tiny_llama)
+    forward, seen = engine.runner.forward, []
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # not a request's fault: the step raises
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = watched
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.step()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        engine.step()
+        assert seen == [False, False] and not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert seen == [False, False, False] and gc.isenabled()
+    engine.step()  # the interrupted step runs again
+    assert len(seen) == 4
