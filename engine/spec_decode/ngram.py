@@ -36,8 +36,9 @@ class NgramIndex:
         if k == 0 or length <= min_n:  # an earlier match of n tokens needs n + 1 tokens in all
             return []
         self._index(tokens, length - 1)  # every n-gram that ends before the last token
-        for n in range(min(self.max_n, length - 1), min_n - 1, -1):  # the longest match wins
-            end = self.ends.get(tuple(tokens[length - n :]))
+        suffix = tuple(tokens[length - min(self.max_n, length - 1) :])
+        for n in range(len(suffix), min_n - 1, -1):  # the longest match wins
+            end = self.ends.get(suffix[-n:])
             if end is not None:
                 return list(tokens[end + 1 : end + 1 + k])
         return []
@@ -45,8 +46,9 @@ class NgramIndex:
     def _index(self, tokens: Sequence[int], stop: int) -> None:
         ends, max_n = self.ends, self.max_n
         for j in range(self.num_indexed, stop):
-            for n in range(1, min(max_n, j + 1) + 1):
-                ends[tuple(tokens[j - n + 1 : j + 1])] = j
+            gram = tuple(tokens[max(0, j + 1 - max_n) : j + 1])  # the longest ending at j
+            for n in range(1, len(gram) + 1):
+                ends[gram[-n:]] = j
         self.num_indexed = max(self.num_indexed, stop)
 
 
