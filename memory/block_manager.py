@@ -216,7 +216,9 @@ class BlockManager:
         """Roll the sequence back to `num_tokens` slots. Blocks wholly past the end are released
         (freed only if no other sequence holds them); the partly used last block is kept and its
         stale slots are overwritten by later appends. Never touches KV memory."""
-        seq = self._seq(seq_id)
+        self._truncate(seq_id, self._seq(seq_id), num_tokens)
+
+    def _truncate(self, seq_id: int, seq: _Seq, num_tokens: int) -> None:
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(
                 f"num_tokens must be in [0, {seq.num_tokens}] for seq_id {seq_id}, got {num_tokens}"
@@ -225,11 +227,12 @@ class BlockManager:
             return
         keep = -(-num_tokens // self.block_size)
         table = seq.table
-        release = self._pool.release
-        for index in range(len(table) - 1, keep - 1, -1):
-            release(table[index])
-        del table[keep:]
-        seq.frozen = None
+        if keep < len(table):  # (a rollback within the last block changes no entry)
+            release = self._pool.release
+            for index in range(len(table) - 1, keep - 1, -1):
+                release(table[index])
+            del table[keep:]
+            seq.frozen = None
         del seq.hashes[num_tokens // self.block_size :]
         seq.num_tokens = num_tokens
 
@@ -241,7 +244,7 @@ class BlockManager:
         neither has anything to do (the engine makes it for every sequence every step)."""
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if num_tokens is not None and num_tokens != seq.num_tokens:
-            self.truncate(seq_id, num_tokens)
+            self._truncate(seq_id, seq, num_tokens)
         if self.enable_prefix_caching and num_cacheable // self.block_size > len(seq.hashes):
             self.commit(seq_id, token_ids, num_cacheable)
 

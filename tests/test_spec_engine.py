@@ -163,6 +163,8 @@ def test_draft_model_greedy_equals_plain_greedy(tiny_llama, partial_draft, plain
     assert_some_accepted_some_rejected(llm)
     stats = llm.llm_engine.get_stats()
     assert min(stats.accepted_by_position) > 0  # accepted drafts at every position
+    assert sum(stats.accepted_by_position) == stats.num_accepted_tokens
+    assert stats.accepted_by_position == tuple(sorted(stats.accepted_by_position, reverse=True))
     if kwargs["num_kv_blocks"] == 14:
         assert stats.num_preemptions > 0
 

@@ -61,7 +61,7 @@ class NoSpeculation:
         self.num_accepted_tokens = 0
         self.num_verifications = 0
         self.num_leaf_tokens = 0
-        self.accepted_by_position = [0] * k
+        self.verifications_by_accepted = [0] * (k + 1)  # [a]: verifications that accepted a
 
     def lookahead(self, num_busy: int) -> int | Callable[[Sequence], int]:
         return 0
@@ -120,7 +120,9 @@ class NoSpeculation:
             num_accepted_tokens=self.num_accepted_tokens,
             num_verifications=self.num_verifications,
             num_leaf_tokens=self.num_leaf_tokens,
-            accepted_by_position=tuple(self.accepted_by_position),
+            accepted_by_position=tuple(  # verifications that accepted more than j drafts
+                sum(self.verifications_by_accepted[j + 1 :]) for j in range(self.k)
+            ),
         )
 
 

@@ -168,8 +168,7 @@ class Speculation(NoSpeculation):
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += accepted
             self.num_verifications += 1
-            for j in range(accepted):
-                self.accepted_by_position[j] += 1
+            self.verifications_by_accepted[accepted] += 1
         if not self.has_draft_model:  # nothing of the step to record
             return None
         num_computed = s.start + s.num_new_tokens + max(len(kept) - 1, 0)
