@@ -100,42 +100,39 @@ def test_gpu_serving_compiles_nothing_after_warmup(dtype, kv_cache_dtype):
     assert _compiled_kernels() == compiled, "a kernel variant was compiled while serving"
 
 
+def _same_tokens_either_way(prompts: list[list[int]], option: str, check, **config) -> None:
+    """Greedy tokens of an engine with ``option`` False and with it True are the same;
+    ``check(engine, value)`` runs on each engine after its requests."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    tokens = {}
+    for value in (False, True):
+        engine = LLMEngine(EngineConfig(
+            device="cuda", dtype="float32", num_kv_blocks=256, **config, **{option: value}
+        ))  # fmt: skip
+        for i, ids in enumerate(prompts):  # finishing one by one: every padded size replays
+            params = SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+            engine.add_request(str(i), ids, params)
+        tokens[value] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[value][out.request_id] = list(out.outputs[0].token_ids)
+        check(engine, value)
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_cuda_graphs_give_the_eager_tokens(tiny_llama):
-    from engine import EngineConfig, LLMEngine, SamplingParams
-
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 60, 5)]
-    tokens = {}
-    for eager in (True, False):
-        engine = LLMEngine(EngineConfig(
-            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=16,
-            num_kv_blocks=256, enforce_eager=eager,
-        ))  # fmt: skip
+
+    def check(engine, eager: bool) -> None:
         assert (engine.runner.graphs is None) == eager
-        for i, ids in enumerate(prompts):  # finishing one by one: every padded size replays
-            params = SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
-            engine.add_request(str(i), ids, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[eager, out.request_id] = list(out.outputs[0].token_ids)
         if not eager:
             assert engine.runner.graphs.replays >= 2 * len(prompts)
-    assert all(tokens[False, str(i)] == tokens[True, str(i)] for i in range(len(prompts)))
 
-
-def _gpu_generate(engine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    from engine import SamplingParams
-
-    for i, ids in enumerate(prompts):  # finishing one by one: every padded size replays
-        params = SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
-        engine.add_request(str(i), ids, params)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return tokens
+    _same_tokens_either_way(prompts, "enforce_eager", check, model=tiny_llama, max_num_seqs=16)
 
 
 @pytest.mark.gpu
@@ -144,8 +141,6 @@ def _gpu_generate(engine, prompts: list[list[int]]) -> dict[str, list[int]]:
 def test_gpu_graphed_speculation_gives_the_eager_tokens(tiny_llama, tmp_path, method):
     """Verification steps (and EAGLE's draft steps, with a draft tree) replay graphs."""
     from conftest import build_random_eagle_head
-
-    from engine import EngineConfig, LLMEngine
 
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
     if method == "eagle":
@@ -156,36 +151,27 @@ def test_gpu_graphed_speculation_gives_the_eager_tokens(tiny_llama, tmp_path, me
     gen = torch.Generator().manual_seed(0)
     pattern = torch.randint(10, 500, (6,), generator=gen).tolist()
     prompts = [pattern * n for n in (1, 2, 3, 4)]  # n-gram drafts match
-    tokens = {}
-    for eager in (True, False):
-        engine = LLMEngine(EngineConfig(
-            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=4, num_kv_blocks=256,
-            enforce_eager=eager, speculative_config=speculative,
-        ))  # fmt: skip
-        tokens[eager] = _gpu_generate(engine, prompts)
+
+    def check(engine, eager: bool) -> None:
         if not eager:
             families = engine.runner.graphs.families
             assert max(families) > 1 and families[max(families)].replays > 0
             if method == "eagle":
                 assert engine.spec.proposer.runner.graphs.replays > 0
-    assert tokens[False] == tokens[True]
+
+    _same_tokens_either_way(prompts, "enforce_eager", check, model=tiny_llama, max_num_seqs=4,
+                            speculative_config=speculative)  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_async_scheduling_gives_the_synchronous_tokens(tiny_llama):
     """Pending tokens resolved on the device, in eager steps and in the graphs' buffers."""
-    from engine import EngineConfig, LLMEngine
-
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 40, 6)]
-    tokens = {}
-    for async_scheduling in (False, True):
-        engine = LLMEngine(EngineConfig(
-            model=tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256,
-            async_scheduling=async_scheduling,
-        ))  # fmt: skip
-        tokens[async_scheduling] = _gpu_generate(engine, prompts)
+
+    def check(engine, async_scheduling: bool) -> None:
         if async_scheduling:
             assert inspect.unwrap(engine._next_step).__self__.launches > 0
-    assert tokens[True] == tokens[False]
+
+    _same_tokens_either_way(prompts, "async_scheduling", check, model=tiny_llama, max_num_seqs=8)
