@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import RequestOutput
-from engine.sampler import LogprobTensors, logprob_entries, logprob_tensors
+from engine.raw_logprobs import LogprobTensors, logprob_entries, logprob_tensors
+from engine.sample_jobs import SampleJob, SampleResult
 from engine.spans import Span
 from engine.spec_decode.round import Round
-from engine.step_sampler import SampleJob, SampleResult
 from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 import kernels
 from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor, affinity, cpu_limit
-from engine.cuda_graphs import CudaGraphCapture, capture_graphs, uses_cuda_graphs
 from engine.distributed.group import DistributedRunner, TPGroup
 from engine.distributed.shard import NO_TP, check_tp_shapes
 from engine.grammar import Grammars
+from engine.graph_capture import CudaGraphCapture, capture_graphs, uses_cuda_graphs
 from engine.model_loader import load_model_config, model_kv_shape
 from engine.model_runner import ModelRunner
 from engine.model_set import kv_cache_dtype, load_model_set, make_runner, rank_device

@@ -25,9 +25,9 @@ from engine.gc_pause import collection_deferred
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import PromptType
 from engine.request import Request, SampleState
+from engine.sample_jobs import SampleResult
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.spec_decode.round import Round
-from engine.step_sampler import SampleResult
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence, SequenceStatus
 
 FINISHED = SequenceStatus.FINISHED

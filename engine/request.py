@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, greedy_from
 from engine.spec_decode.draft_state import DraftState
-from engine.step_sampler import greedy_from
 from scheduler import Sequence
 
 
@@ -79,7 +78,7 @@ class Request:
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None  # why the engine aborted it, when a step failed on it
     prompt_logprobs: list[dict[int, float] | None] | None = None  # see RequestOutput
-    # the output count from which its rows are plain greedy (engine.step_sampler.greedy_from)
+    # the output count from which its rows are plain greedy (engine.sampling_params.greedy_from)
     greedy_from: int = field(init=False)
     # characters an unfinished sample's output holds back: len(longest stop string) - 1
     held_chars: int = field(init=False)

@@ -1,4 +1,5 @@
-"""Token sampling: temperature, top-k, top-p, min-p, per-request seeds; logprobs.
+"""Token sampling: temperature, top-k, top-p, min-p, per-request seeds. The draw itself:
+``engine.draws``; logprobs: ``engine.raw_logprobs``.
 
 Everything is vectorised over the batch; Python loops run over generator groups only (one group per
 seeded row plus one for all unseeded rows), never over the vocabulary.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import Logprob
+from engine.draws import sample_from_probs
 
 
 @dataclass(frozen=True)
@@ -194,113 +195,6 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
-def draw_rows(
-    generators: Sequence[torch.Generator | None],
-    draw: Callable[[int, torch.Generator | None], tuple[torch.Tensor, ...]],
-) -> tuple[torch.Tensor, ...]:
-    """Call `draw(m, generator)` once per distinct generator and stack the results into row order.
-
-    Rows that share a generator object draw together, in row order. A row with a generator of its
-    own always calls `draw(1, g)`, so its values do not depend on what else is in the batch.
-    """
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    for row, gen in enumerate(generators):
-        groups.setdefault(id(gen), (gen, []))[1].append(row)
-    if len(groups) == 1:
-        gen, rows = next(iter(groups.values()))
-        return draw(len(rows), gen)
-    pieces: list[tuple[torch.Tensor, ...] | None] = [None] * len(generators)
-    for gen, rows in groups.values():
-        drawn = draw(len(rows), gen)
-        for j, row in enumerate(rows):
-            pieces[row] = tuple(t[j] for t in drawn)
-    return tuple(torch.stack(column) for column in zip(*pieces, strict=True))
-
-
-# Lanes per chunk of inverse_cdf's first level: a row's chunk sums are one pass over it, and
-# the chosen chunk's prefix sums are short.
-_CDF_CHUNK = 256
-# Up to this many weights (rows x lanes) one float64 prefix sum per row costs less than the
-# two levels on the CPU (one row of 49152 lanes: 172 against 295 us; 15 rows of 8192: 283
-# against 364; but 4 rows of 49152: 341 against 306): a decode row, a drafter's rows.
-_ONE_LEVEL_MAX_WEIGHTS = 1 << 17
-
-
-def uniform_draws(
-    shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None
-) -> torch.Tensor:
-    """U[0, 1) draws, float64 (float32's 2^-24 steps would be coarser than small lanes and
-    ratios, and can be exactly 0)."""
-    return torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
-
-
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Per row of weights [N, V] (>= 0, need not sum to 1) and its uniform u (float64 [N] in
-    [0, 1]), the id i whose interval of the cumulative weights holds u * sum(w): i with
-    probability w_i / sum(w). Zero-weight lanes own empty intervals and are never returned; a
-    row with no weight (or a NaN) returns 0.
-
-    Two levels, so that no prefix sum runs over the whole vocabulary (a float32 one over 49k
-    lanes would blur the smallest lanes' intervals, a float64 one is slow on many rows): chunks
-    of ``_CDF_CHUNK`` lanes are chosen by their float32 sums (each chunk's share exact to ~1e-7
-    of its mass), then a lane by float64 prefix sums inside the chosen chunk only, onto which
-    the point is rescaled, so a lane's share of its chunk is exact. The point is kept strictly
-    below each level's total, so float rounding can only move it to the last lane with weight,
-    never past it. No host sync. Few weights in all (``_ONE_LEVEL_MAX_WEIGHTS``) take one
-    float64 prefix sum per row instead, exact to ~V * 2^-53 of the row's mass.
-    """
-    if weights.numel() <= _ONE_LEVEL_MAX_WEIGHTS:
-        return _one_level_inverse_cdf(weights, uniforms)
-    rows, vocab = weights.shape
-    pad = -vocab % _CDF_CHUNK
-    padded = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
-    chunks = padded.reshape(rows, (vocab + pad) // _CDF_CHUNK, _CDF_CHUNK)
-    sums = chunks.sum(-1, dtype=torch.float32).double()  # [N, C]
-    cdf = sums.cumsum(-1)
-    total = cdf[:, -1:]
-    point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
-    chunk = torch.searchsorted(cdf, point, right=True).clamp_(max=cdf.shape[1] - 1)  # [N, 1]
-    before = torch.nn.functional.pad(cdf, (1, 0)).gather(1, chunk)
-    index = torch.arange(rows, device=weights.device)
-    inner = chunks[index, chunk[:, 0]].double().cumsum(-1)  # [N, _CDF_CHUNK]
-    last = inner[:, -1:]
-    rest = (point - before) * (last / sums.gather(1, chunk))
-    rest = torch.minimum(rest, torch.nextafter(last, last.new_zeros(())))
-    lane = torch.searchsorted(inner, rest, right=True).clamp_(max=_CDF_CHUNK - 1)
-    ids = (chunk * _CDF_CHUNK + lane)[:, 0].clamp_(max=vocab - 1)
-    return torch.where(total[:, 0] > 0, ids, 0)
-
-
-def _one_level_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """``inverse_cdf`` over one float64 prefix sum per row, the point kept below the total."""
-    cdf = weights.double().cumsum(-1)
-    total = cdf[:, -1:]
-    point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
-    ids = torch.searchsorted(cdf, point, right=True)[:, 0]
-    return torch.where(total[:, 0] > 0, ids, 0)
-
-
-def sample_from_probs(
-    probs: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
-    shared_generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Sample one id per row of probs [N, V] (weights, need not sum to 1) by ``inverse_cdf``.
-
-    Each seeded row draws exactly one float64 uniform from its own generator; rows whose
-    generator is None draw together from `shared_generator`.
-    """
-    if len(generators) != probs.shape[0]:
-        raise ValueError(f"generators has {len(generators)} rows, probs has {probs.shape[0]}")
-
-    def draw(m: int, gen: torch.Generator | None) -> tuple[torch.Tensor]:
-        return (uniform_draws((m,), probs.device, gen),)
-
-    rows = [shared_generator if g is None else g for g in generators]
-    (uniforms,) = draw_rows(rows, draw)
-    return inverse_cdf(probs, uniforms)
-
-
 class Sampler:
     """Turns logits [N, V] into one token per row; owns the generator for unseeded rows."""
 
@@ -323,39 +217,3 @@ class Sampler:
         probs = processed_probs(logits[index], sub)
         tokens[index] = sample_from_probs(probs, sub.generators, self.generator)
         return tokens
-
-
-def token_logprobs(
-    logits: torch.Tensor, token_ids: Sequence[int], num_top: int
-) -> list[dict[int, float]]:
-    """Logprobs as vLLM reports them: of the raw model distribution (log_softmax of the logits
-    before penalties, temperature, top-k/p, min-p or min_tokens masking), for ``token_ids[j]``
-    at row j, plus the ``num_top`` most likely ids of each row. One dict per row:
-    {token id: Logprob} (its rank: 1 + the tokens more likely; no decoded token yet)."""
-    picked = torch.tensor(token_ids, device=logits.device)
-    return logprob_entries(logprob_tensors(logits[: len(token_ids)], picked, num_top), token_ids)
-
-
-LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobTensors:
-    """``token_logprobs``' figures on the device, unread: each row's logprob of its token and
-    its rank, and the ``num_top`` largest logprobs with their ids."""
-    rows = logits.float().log_softmax(-1)
-    picked = rows.gather(1, token_ids[:, None])[:, 0]
-    ranks = (rows > picked[:, None]).sum(-1) + 1
-    top = rows.topk(min(num_top, rows.shape[-1]), dim=-1)
-    return picked, ranks, top.values, top.indices
-
-
-def logprob_entries(tensors: LogprobTensors, token_ids: Sequence[int]) -> list[dict[int, float]]:
-    """``logprob_tensors`` read into ``token_logprobs``' dicts."""
-    picked, ranks, values, indices = (t.tolist() for t in tensors)
-    result = [{t: Logprob(lp, rank)} for t, lp, rank in zip(token_ids, picked, ranks, strict=True)]
-    for entry, ids, lps in zip(result, indices, values, strict=True):
-        entry.update(
-            (t, entry[t] if t in entry else Logprob(lp, rank))
-            for rank, (t, lp) in enumerate(zip(ids, lps, strict=True), 1)
-        )
-    return result

@@ -141,3 +141,23 @@ def _check_number(name: str, value: object, allowed: str) -> None:
 def _check_int(name: str, value: object, minimum: int, message: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(message or f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+NEVER_GREEDY = 1 << 62  # greedy_from of a request that is never plain greedy
+
+
+def greedy_from(params: SamplingParams) -> int:
+    """The output count from which a sample's row is plain greedy: a greedy row with nothing
+    that changes its argmax or asks for more (penalties, min_tokens not yet reached, a
+    constraint, logprobs), so its token is the row's argmax and only that; NEVER_GREEDY if
+    that never holds."""
+    if (
+        params.temperature
+        or params.logprobs is not None
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.structured_outputs is not None
+    ):
+        return NEVER_GREEDY
+    return params.min_tokens

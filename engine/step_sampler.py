@@ -14,47 +14,25 @@ tokens then depend on what was drafted.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.grammar import BitmaskFiller, refused, words
-from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import (
-    Sampler,
-    SamplingBatch,
-    argmax_rows,
-    processed_probs,
-    seeded_generator,
-    token_logprobs,
+from engine.penalties import apply_penalties
+from engine.raw_logprobs import token_logprobs
+from engine.sample_jobs import (
+    SampleJob,
+    SampleResult,
+    gather_rows,
+    job_starts,
+    position_generators,
+    rows_of,
+    token_history,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampler import Sampler, SamplingBatch, argmax_rows, processed_probs, seeded_generator
 from engine.spec_decode.rejection import rejection_sample, verify_deterministic_drafts
-
-
-class SampleJob(NamedTuple):
-    params: SamplingParams
-    index: int  # which of the request's n samples
-    num_outputs: int  # output tokens before this step
-    token_ids: Sequence[int]  # the prompt, then those num_outputs tokens (for penalties)
-    row: int  # its first row in the step's logits: 1 + len(drafts) rows are its own
-    drafts: Sequence[int] = ()
-    draft_probs: torch.Tensor | None = None  # q [len(drafts), V] of sampled drafts
-    grammar: Any = None  # the sample's matcher at its committed tokens (engine.grammar)
-    grammar_bits: Any = None  # the drafter's bitmasks for rows 0 .. len(drafts) - 1, or None
-
-    @property
-    def num_rows(self) -> int:
-        return 1 + len(self.drafts)
-
-
-class SampleResult(NamedTuple):
-    token_ids: list[int]  # accepted drafts, then one recovered or bonus token
-    logprobs: list[dict[int, float]] | None
 
 
 class StepSampler:
@@ -67,8 +45,8 @@ class StepSampler:
         """Each job's tokens from its rows of ``logits`` (float32 [rows, V])."""
         if not jobs:
             return []
-        starts = _starts(jobs)
-        raw = _gather_rows(logits, jobs)
+        starts = job_starts(jobs)
+        raw = gather_rows(logits, jobs)
         rows = self._mask_min_tokens(raw, jobs)
         rows = _mask_grammar(rows, raw, jobs, starts, self.bitmasks)
         sampled = [i for i, job in enumerate(jobs) if job.draft_probs is not None and job.drafts]
@@ -81,8 +59,8 @@ class StepSampler:
                 if not group:
                     continue
                 picked = [jobs[i] for i in group]
-                sub = _rows_of(rows, jobs, starts, group)
-                for i, emitted in zip(group, verify(sub, picked, _starts(picked)), strict=True):
+                sub = rows_of(rows, jobs, starts, group)
+                for i, emitted in zip(group, verify(sub, picked, job_starts(picked)), strict=True):
                     tokens[i] = emitted
         # logprobs are of the raw rows: before min_tokens masking, penalties and temperature
         return [
@@ -125,9 +103,9 @@ class StepSampler:
         params, generators = [], []
         for job in jobs:
             params.extend([job.params] * job.num_rows)
-            generators.extend(_position_generators(job, logits.device))
+            generators.extend(position_generators(job, logits.device))
         if any(job.params.has_penalties for job in jobs):  # else no work at all
-            logits = apply_penalties(logits, [_history(job) for job in jobs], pending=pending)
+            logits = apply_penalties(logits, [token_history(job) for job in jobs], pending=pending)
         batch = SamplingBatch.from_params(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
@@ -158,7 +136,7 @@ class StepSampler:
         tokens: list[list[int]] = [[] for _ in jobs]
         for group in groups + ([unseeded] if unseeded else []):
             picked = [jobs[i] for i in group]
-            sub = _rows_of(rows, jobs, starts, group)
+            sub = rows_of(rows, jobs, starts, group)
             for i, emitted in zip(group, self._verify_group(sub, picked), strict=True):
                 tokens[i] = emitted
         return tokens
@@ -166,7 +144,7 @@ class StepSampler:
     def _verify_group(self, rows: torch.Tensor, jobs: list[SampleJob]) -> list[list[int]]:
         logits, batch = self._batch(rows, jobs)
         p = processed_probs(logits, batch)
-        starts = _starts(jobs)
+        starts = job_starts(jobs)
         k = max(len(job.drafts) for job in jobs)
         if all(len(job.drafts) == k for job in jobs):  # no padding: p's rows as they lie
             target = p.view(len(jobs), k + 1, p.shape[-1])
@@ -211,26 +189,6 @@ class StepSampler:
         return rows if masked is None else masked
 
 
-NEVER_GREEDY = 1 << 62  # greedy_from of a request that is never plain greedy
-
-
-def greedy_from(params: SamplingParams) -> int:
-    """The output count from which a sample's row is plain greedy: a greedy row with nothing
-    that changes its argmax or asks for more (penalties, min_tokens not yet reached, a
-    constraint, logprobs), so its token is the row's argmax and only that; NEVER_GREEDY if
-    that never holds."""
-    if (
-        params.temperature
-        or params.logprobs is not None
-        or params.presence_penalty
-        or params.frequency_penalty
-        or params.repetition_penalty != 1.0
-        or params.structured_outputs is not None
-    ):
-        return NEVER_GREEDY
-    return params.min_tokens
-
-
 def _mask_grammar(
     rows: torch.Tensor,
     raw: torch.Tensor,
@@ -253,7 +211,7 @@ def _mask_grammar(
     bad = refused(bits, rows.shape[-1]).to(rows.device)
     if rows is raw and any(job.params.logprobs is not None for job, _ in constrained):
         rows = rows.clone()
-    offsets = _starts([job for job, _ in constrained])
+    offsets = job_starts([job for job, _ in constrained])
     first = constrained[0][1]
     with torch.inference_mode():  # the forward's logits are inference tensors
         if all(start == first + at for (_, start), at in zip(constrained, offsets, strict=True)):
@@ -269,50 +227,3 @@ def _mask_grammar(
                 keep = raw[start : start + n][dead].masked_fill(bad[at : at + n][dead], -math.inf)
                 rows[start : start + n][dead] = keep
     return rows
-
-
-def _starts(jobs: list[SampleJob]) -> list[int]:
-    """Each (non-empty ``jobs``) job's first row among the jobs' rows back to back."""
-    return list(itertools.accumulate((job.num_rows for job in jobs[:-1]), initial=0))
-
-
-def _rows_of(
-    rows: torch.Tensor, jobs: list[SampleJob], starts: list[int], group: list[int]
-) -> torch.Tensor:
-    """The rows of the jobs in ``group``, back to back."""
-    index = [r for i in group for r in range(starts[i], starts[i] + jobs[i].num_rows)]
-    return rows[torch.tensor(index, device=rows.device)]
-
-
-def _in_place(jobs: list[SampleJob]) -> bool:
-    """The jobs' rows lie back to back from row 0, in order (no fork repeats a row, no leaf
-    row is skipped)."""
-    row = 0
-    for job in jobs:
-        if job.row != row:
-            return False
-        row += 1 + len(job.drafts)
-    return True
-
-
-def _gather_rows(logits: torch.Tensor, jobs: list[SampleJob]) -> torch.Tensor:
-    """Every job's rows, back to back: a view of ``logits`` when they already lie so, else
-    one gather."""
-    if _in_place(jobs):
-        return logits[: jobs[-1].row + jobs[-1].num_rows]
-    index = [r for job in jobs for r in range(job.row, job.row + job.num_rows)]
-    return logits[torch.tensor(index, device=logits.device)]
-
-
-def _history(job: SampleJob) -> TokenHistory:
-    num_prompt_tokens = len(job.token_ids) - job.num_outputs
-    return TokenHistory(job.params, job.token_ids, num_prompt_tokens, job.drafts, job.num_rows)
-
-
-def _position_generators(job: SampleJob, device: torch.device) -> list[torch.Generator | None]:
-    seed = job.params.seed
-    if seed is None:
-        return [None] * job.num_rows  # the sampler's shared generator
-    return [
-        seeded_generator(device, seed, job.index, job.num_outputs + j) for j in range(job.num_rows)
-    ]

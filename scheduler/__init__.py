@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: pure logic over sequences and the block manager."""
 
-from scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.output import ScheduledSequence, SchedulerOutput
+from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence, SequenceStatus
 
 __all__ = [

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from engine.cuda_graphs import capture_graphs, rerun_capture
+from engine.graph_capture import capture_graphs, rerun_capture
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
 

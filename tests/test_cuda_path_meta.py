@@ -14,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from engine.draws import sample_from_probs
 from engine.model_loader import default_dtype, model_kv_shape
 from engine.model_runner import ModelRunner
 from engine.models import get_model_class
-from engine.sampler import SamplingBatch, processed_probs, sample_from_probs
+from engine.sampler import SamplingBatch, processed_probs
 from engine.spans import Span
 from kernels import triton_attention, triton_kv_write
 from memory import allocate_kv_caches

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, step_sampler
-from engine.step_sampler import SampleJob
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, sample_jobs
+from engine.sample_jobs import SampleJob
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -101,13 +101,13 @@ def test_logit_rows_back_to_back_are_viewed_not_copied(gen):
     def jobs(*rows_and_drafts):
         return [SampleJob(GREEDY, 0, 1, [1], row, [0] * d) for row, d in rows_and_drafts]
 
-    got = step_sampler._gather_rows(logits, jobs((0, 0), (1, 1), (3, 0)))
+    got = sample_jobs.gather_rows(logits, jobs((0, 0), (1, 1), (3, 0)))
     assert torch.equal(got, logits[:4]) and got.data_ptr() == logits.data_ptr()
     for spec, rows in (
         (((0, 0), (0, 0)), [0, 0]),  # a fork: the same rows twice
         (((0, 0), (2, 0)), [0, 2]),  # a gap
     ):
-        assert torch.equal(step_sampler._gather_rows(logits, jobs(*spec)), logits[rows])
+        assert torch.equal(sample_jobs.gather_rows(logits, jobs(*spec)), logits[rows])
 
 
 def test_seeded_samples_of_one_request_are_those_of_a_run_without_speculation(tiny_llama):

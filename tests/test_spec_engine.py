@@ -363,20 +363,20 @@ def test_rollback_touches_no_kv_memory(tiny_llama):
     engine = llm.llm_engine
     bm = engine.block_manager
     caches = [t for pair in engine.runner.kv_caches for t in pair]
-    real_truncate = bm.truncate
+    real_truncate = bm._truncate  # (truncate and the step's keep both go through it)
     calls = []
 
     def checksum(t):  # over the raw bits: the cache holds uninitialised (even NaN) slots
         return t.data_ptr(), t.view(torch.int32).sum(dtype=torch.int64).item()
 
-    def checked_truncate(seq_id, num_tokens):
+    def checked_truncate(seq_id, seq, num_tokens):
         before = [checksum(t) for t in caches]
-        real_truncate(seq_id, num_tokens)
+        real_truncate(seq_id, seq, num_tokens)
         assert before == [checksum(t) for t in caches]
         assert len(bm.block_table(seq_id)) == math.ceil(num_tokens / bm.block_size)
         calls.append(num_tokens)
 
-    bm.truncate = checked_truncate
+    bm._truncate = checked_truncate
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, GREEDY)
     with torch.no_grad():

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.draws import sample_from_probs
 from engine.grammar import fill_bitmasks, refused, words
 from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import SamplingBatch, processed_probs, sample_from_probs, seeded_generator
+from engine.sampler import SamplingBatch, processed_probs, seeded_generator
 from engine.sampling_params import SamplingParams
 from engine.spans import Span
 from engine.spec_decode.tree import DraftTree

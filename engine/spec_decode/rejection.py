@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampler import draw_rows, inverse_cdf, uniform_draws
+from engine.draws import draw_rows, inverse_cdf, uniform_draws
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 

@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from engine.raw_logprobs import token_logprobs
 from engine.request import SampleState
-from engine.sampler import argmax_rows, token_logprobs
+from engine.sample_jobs import SampleJob, SampleResult
+from engine.sampler import argmax_rows
 from engine.spans import Span
 from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.rejection import verify_deterministic_drafts
-from engine.step_sampler import SampleJob, SampleResult, StepSampler
+from engine.step_sampler import StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
 NO_PROPOSAL = Proposal([], [], {})

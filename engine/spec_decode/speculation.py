@@ -12,6 +12,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.model_runner import ModelRunner
 from engine.request import SampleState
+from engine.sample_jobs import SampleJob, SampleResult
 from engine.spans import Span
 from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.draft_state import DraftState
@@ -25,7 +26,7 @@ from engine.spec_decode.round import (
     logit_rows,
 )
 from engine.spec_decode.tree import sample_at_leaves, tree_slots
-from engine.step_sampler import SampleJob, SampleResult, StepSampler
+from engine.step_sampler import StepSampler
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 
 

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.grammar import advanced
-from engine.step_sampler import SampleJob, SampleResult, StepSampler
+from engine.sample_jobs import SampleJob, SampleResult
+from engine.step_sampler import StepSampler
 
 if TYPE_CHECKING:
     from engine.spec_decode.proposers import Proposal

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from engine.request import SampleState
+from engine.sample_jobs import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.round import NoSpeculation, Round
-from engine.step_sampler import SampleResult, StepSampler
+from engine.step_sampler import StepSampler
 from scheduler import SchedulerOutput
 
 
