@@ -281,7 +281,10 @@ def run(args) -> dict:
         "steps": args.steps, "warmup_steps": args.warmup_steps,
     }  # fmt: skip
     current = git("rev-parse", "--short=7", "HEAD")
-    trees = {"current": {"commit": current, "uncommitted_changes": bool(git("status", "-s"))}}
+    # (results that make bench's earlier benchmarks just wrote are not the code under test)
+    results = (":(exclude)benchmarks/results", ":(exclude)benchmarks/RESULTS.md")
+    changed = git("status", "-s", "--", ".", *results)
+    trees = {"current": {"commit": current, "uncommitted_changes": bool(changed)}}
     roots = {"current": ROOT}
     if not args.no_baseline:
         roots["baseline"], commit = worktree(args.baseline_commit)

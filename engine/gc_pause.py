@@ -32,8 +32,8 @@ def collection_deferred(fn: Callable[P, R]) -> Callable[P, R]:
     def deferred(*args: P.args, **kwargs: P.kwargs) -> R:
         if not gc.isenabled():
             return fn(*args, **kwargs)
-        gc.disable()
-        try:
+        try:  # (disabled inside: an interrupt landing just after it still re-enables)
+            gc.disable()
             return fn(*args, **kwargs)
         finally:
             gc.enable()

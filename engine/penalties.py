@@ -6,7 +6,7 @@ For a logit row that follows prompt P and generated tokens O, with c[t] the coun
     l[t] -= frequency_penalty * c[t] + presence_penalty * (c[t] > 0)
 
 on the raw logits, before temperature, top-k, top-p and min-p (vLLM's order). Logprobs stay
-those of the raw logits (vLLM's default ``raw_logprobs``): ``sampler.token_logprobs``.
+those of the raw logits (vLLM's default ``raw_logprobs``): ``engine.raw_logprobs.token_logprobs``.
 
 Under speculation row j of a verification span is the target's distribution once drafts
 d_0..d_{j-1} are accepted, so its O ends with them: counting only the committed outputs would
