@@ -27,7 +27,7 @@ FULL = {
     "--batch-sizes 1,16,32,64 --sweep-max-tokens 24 --methods ngram,eagle --eagle-prompts 8 "
     "--eagle-max-tokens 64 --eagle-batch-sizes 2,4,8,16,64",
     "host_overhead": "host_overhead --batch-sizes 1,64,256 --methods off,ngram,eagle --steps 20 "
-    "--warmup-steps 3 --rounds 3",
+    "--warmup-steps 3 --rounds 9",
     "serving": "serving --rates 0.5,1,2,inf --num-prompts 32 --input-len 32:128 --output-len 32:64 "
     "--chat-max-tokens 64",
     "soak": "soak --num-requests 1000 --duration 600",
