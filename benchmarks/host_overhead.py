@@ -18,10 +18,11 @@ A round's figure is the median step's, the result the median over --rounds round
 With a baseline (--baseline-commit; --no-baseline skips it) the same rounds also run on a git
 worktree of that commit (build/host-overhead-<commit>). Each tree is measured by a worker
 process running this file by path with the tree's root first on sys.path, so the baseline needs
-no copy of this script; the trees take turns on every configuration, round by round, and the
-speedup is the median of the rounds' ratios, so the host's drift cancels. Both trees load the same
-C++ kernels build where kernels/csrc is the same (its build name hashes the sources); otherwise
-the baseline builds its own once (about a minute, cached for later runs).
+no copy of this script; the trees take turns on every configuration, round by round (round r
+of every configuration before round r + 1 of any), and the speedup is the median of the rounds'
+ratios, so the host's drift cancels. Both trees load the same C++ kernels build where
+kernels/csrc is the same (its build name hashes the sources); otherwise the baseline builds its
+own once (about a minute, cached for later runs).
 """
 
 import collections
@@ -236,19 +237,24 @@ def worktree(commit: str) -> tuple[Path, str]:
 
 
 def take_turns(workers: dict[str, Worker], batches: list[int], methods: list[str], rounds: int):
-    """Every (batch, method): each tree's rounds, the trees taking turns (in reverse order every
-    other round); yields a result row per configuration."""
-    for batch in batches:
-        for method in methods:
-            runs: dict[str, list[dict]] = {name: [] for name in workers}
-            for r in range(rounds):
-                for name in sorted(workers, reverse=r % 2 == 1):
-                    runs[name].append(workers[name].measure(batch, method))
-                    figures = runs[name][-1]
-                    print(f"  {name:>8} B={batch:3d} {method:5s}: step "
-                          f"{figures['wall_s'] * 1e3:6.2f} ms, host "
-                          f"{figures['host_s'] / batch * 1e6:6.1f} µs/seq", flush=True)  # fmt: skip
-            yield _row(batch, method, runs)
+    """Every (batch, method)'s rounds, round r of every configuration before round r + 1 of
+    any (a slow spell of the host then costs each configuration a round or two, which its
+    median drops, not all of one configuration's rounds), the trees taking turns in each (in
+    reverse order every other round); yields a result row per configuration."""
+    configs = [(batch, method) for batch in batches for method in methods]
+    runs: dict[tuple[int, str], dict[str, list[dict]]] = {
+        config: {name: [] for name in workers} for config in configs
+    }
+    for r in range(rounds):
+        for batch, method in configs:
+            for name in sorted(workers, reverse=r % 2 == 1):
+                runs[batch, method][name].append(workers[name].measure(batch, method))
+                figures = runs[batch, method][name][-1]
+                print(f"  {name:>8} B={batch:3d} {method:5s}: step "
+                      f"{figures['wall_s'] * 1e3:6.2f} ms, host "
+                      f"{figures['host_s'] / batch * 1e6:6.1f} µs/seq", flush=True)  # fmt: skip
+    for batch, method in configs:
+        yield _row(batch, method, runs[batch, method])
 
 
 def _row(batch: int, method: str, runs: dict[str, list[dict]]) -> dict:
