@@ -100,6 +100,11 @@ def test_gpu_serving_compiles_nothing_after_warmup(dtype, kv_cache_dtype):
     assert _compiled_kernels() == compiled, "a kernel variant was compiled while serving"
 
 
+def _random_prompts(seed: int, lengths: range) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
 def _same_tokens_either_way(prompts: list[list[int]], option: str, check, **config) -> None:
     """Greedy tokens of an engine with ``option`` False and with it True are the same;
     ``check(engine, value)`` runs on each engine after its requests."""
@@ -124,8 +129,7 @@ def _same_tokens_either_way(prompts: list[list[int]], option: str, check, **conf
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_cuda_graphs_give_the_eager_tokens(tiny_llama):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 60, 5)]
+    prompts = _random_prompts(0, range(3, 60, 5))
 
     def check(engine, eager: bool) -> None:
         assert (engine.runner.graphs is None) == eager
@@ -167,11 +171,10 @@ def test_gpu_graphed_speculation_gives_the_eager_tokens(tiny_llama, tmp_path, me
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_async_scheduling_gives_the_synchronous_tokens(tiny_llama):
     """Pending tokens resolved on the device, in eager steps and in the graphs' buffers."""
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in range(3, 40, 6)]
 
     def check(engine, async_scheduling: bool) -> None:
         if async_scheduling:
             assert inspect.unwrap(engine._next_step).__self__.launches > 0
 
+    prompts = _random_prompts(1, range(3, 40, 6))
     _same_tokens_either_way(prompts, "async_scheduling", check, model=tiny_llama, max_num_seqs=8)
