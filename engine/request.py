@@ -88,12 +88,12 @@ class Request:
     device_sampled: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.greedy_from = greedy_from(self.params)
-        stops = self.params.stop_strings
-        self.held_chars = max(map(len, stops)) - 1 if stops else 0
         params = self.params
+        self.greedy_from = greedy_from(params)
+        stops = params.stop_strings
+        self.held_chars = max(map(len, stops)) - 1 if stops else 0
         self.device_sampled = params.prompt_logprobs is None and params.structured_outputs is None
-        if self.params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first token follows nothing
 
     @property

@@ -76,7 +76,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
-        reserve, table = self.block_manager.reserve, self.block_manager.frozen_table
+        table = self.block_manager.frozen_table
         running = RUNNING
         decoding, prefilling = [], []
         for seq in self.running:  # a decode has one token left to compute (maybe pending)
@@ -93,14 +93,8 @@ class Scheduler:
             k = num_lookahead_slots if lookahead is None else lookahead(seq)
             if k:
                 k = max(min(k, budget - 1, max_len - len(seq.token_ids)), 0)
-            try:  # (most steps: a slot in the last block, no call below this one)
-                cow = reserve(seq.seq_id, seq.num_computed_tokens + 1 + k)
-            except NoFreeBlocksError:  # make room (_reserve tries again)
-                cow = None
-                if not self._reserve(seq, 1 + k, out):
-                    continue  # seq itself was preempted
-            if cow is not None:
-                out.blocks_to_copy.append(cow)
+            if not self._reserve(seq, 1 + k, out):
+                continue  # seq itself was preempted
             out.scheduled.append(ScheduledSequence(seq, 1, k, table(seq.seq_id)))
             budget -= 1 + k
 

@@ -149,8 +149,6 @@ def greedy_round(round: Round, logits: torch.Tensor) -> list[list[SampleResult]]
     new = tuple.__new__  # (as in NoSpeculation.prepare)
     if drafts:
         emitted = verify_deterministic_drafts(samples, [drafts[i] for i in owners], starts)
-    elif len(owners) == len(round.scheduled):  # one row per span, every span samples
-        return [[new(SampleResult, ([token], None))] for token in samples]
     else:  # one row per span: its sample
         emitted = [[token] for token in samples]
     if len(owners) == len(round.scheduled):  # every span samples: no grouping to do
