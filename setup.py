@@ -1,18 +1,34 @@
+"""One package, ``pagedspec``: the repository's top-level folders install as its sub-packages.
+
+``pagedspec/engine`` is a link to ``engine/`` (likewise ``kernels``, ``scheduler``, ``memory``):
+the folders stay where the design card puts them, every import reads ``pagedspec.<room>``,
+site-packages holds only ``pagedspec`` (a wheel copies the files the links point to), and every
+tool that reads a package from one folder sees the whole of it: editable installs, and grimp
+under ``lint-imports``, which a ``package_dir`` mapping would leave with an empty package.
+"""
+
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', Path("pagedspec/__init__.py").read_text())[1]
 
 setup(
     name="pagedspec",
-    version="0.1.0",
+    version=VERSION,
     description="Paged-KV LLM serving with Triton kernels and lossless speculative decoding",
     python_requires=">=3.10",
-    packages=find_packages(include=["engine*", "kernels*", "scheduler*", "memory*"]),
+    packages=find_packages(include=["pagedspec", "pagedspec.*"]),
+    package_data={
+        "pagedspec.kernels": ["csrc/*"],
+        "pagedspec.engine.spec_decode": ["heads/*/*"],
+        "pagedspec.engine.tools.train_eagle": ["*.txt"],
+    },
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",
-        # 5.25 made Hugging Face's `kernels` package a hard dependency, and transformers imports
-        # it by that name whenever it is installed: our top-level `kernels/` shadows it and every
-        # model config import fails (ImportError: cannot import name 'CUDAProperties').
-        "transformers>=4.46,<5.25",
+        "transformers>=4.46",
         "xformers; platform_system == 'Linux' and platform_machine == 'x86_64'",
         "numpy",
         "safetensors",
@@ -23,15 +39,19 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus_client",
-        "llguidance>=1.9",  # structured outputs (engine/grammar.py)
+        "llguidance>=1.9",  # structured outputs (engine/sample/grammar.py)
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "ruff", "accelerate", "openai", "httpx", "jsonschema"],
+        "dev": [
+            "pytest",
+            "hypothesis",
+            "ruff",
+            "import-linter",
+            "accelerate",
+            "openai",
+            "httpx",
+            "jsonschema",
+        ],
     },
-    entry_points={
-        "console_scripts": [
-            "pagedspec-generate=engine.generate:main",
-            "pagedspec-serve=engine.serve.__main__:main",
-        ]
-    },
+    entry_points={"console_scripts": ["pagedspec=pagedspec.cli:main"]},
 )

@@ -26,7 +26,7 @@ from benchmarks import llamacpp, workload
 from benchmarks.precisions import PRECISIONS, engine_options, get_precision
 from benchmarks.timing import run_engine
 from benchmarks.workload import BenchRequest
-from engine.spans import Span
+from pagedspec.engine.worker.spans import Span
 
 # tests/test_default_model.py's prompts: the ones HF transformers checks the default model on.
 FIXTURE_PROMPTS = (
@@ -85,7 +85,7 @@ def windows(ids: Sequence[int], size: int) -> list[list[int]]:
 def fixture_prompts(tokenizer) -> list[list[int]]:
     """The fixture prompts, then the examples' (chat ones through the template), as token ids
     (text encoded as the engine encodes it)."""
-    from engine.llm import render_chat
+    from pagedspec.engine.entrypoints.llm import render_chat
 
     records = [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
     plain = [*FIXTURE_PROMPTS, *(r["prompt"] for r in records if "prompt" in r)]
@@ -109,7 +109,7 @@ def pagedspec_side(spec, args, options: dict, requests, chunks: list[list[int]])
     for w in chunks:
         for lo in range(0, len(w) - 1, CHUNK):
             hi = min(lo + CHUNK, len(w))
-            logits = engine.runner.forward([Span(w[lo:hi], lo, hi - lo, table)])
+            logits = engine.runner.forward([Span(w[lo:hi], lo, hi - lo, table)]).logits
             targets = w[lo + 1 : hi + 1]
             nll.append(token_nll(logits[: len(targets)], targets))
     return {"tokens": tokens, "nll": torch.cat(nll)}

@@ -10,7 +10,7 @@ import time
 
 from benchmarks import workload
 from benchmarks.timing import percentile, quantiles
-from memory import BlockManager
+from pagedspec.memory import BlockManager
 
 WARMUP, LOOKAHEAD, BLOCK_SIZE, SEED = 20, 4, 16, 0
 PHASES = ("append", "slot_ids", "truncate", "commit")

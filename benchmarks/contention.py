@@ -4,9 +4,9 @@ pass"`` beside the engine (issue 51).
 The default model (or --model), greedy, EOS ignored: per batch size B, B random prompts of
 --input-len tokens making --output-len tokens each, all submitted at once. Systems:
 ``pagedspec`` as it runs by default (its thread count follows the load,
-``engine.cpu_threads``); ``pagedspec-fixed``, its threads fixed at ``cpu_limit()`` (every CPU,
-whatever else runs: what it did before); and ``llamacpp`` where ``llama_cpp`` imports (``make
-bench-peers``), llama.cpp's continuous batching on the fp32 GGUF (what pagedspec runs the
+``pagedspec.engine.worker.cpu_threads``); ``pagedspec-fixed``, its threads fixed at ``cpu_limit()``
+(every CPU, whatever else runs: what it did before); and ``llamacpp`` where ``llama_cpp`` imports
+(``make bench-peers``), llama.cpp's continuous batching on the fp32 GGUF (what pagedspec runs the
 shipped Q4_1 file as), with ``cpu_limit()`` threads.
 Per round, every (B, system) runs quiet and then contended, each time after a warm-up run under
 the same conditions (the governor reads the load every 0.5 s); the figures are the median over
@@ -24,7 +24,7 @@ import torch
 from benchmarks import llamacpp, workload
 from benchmarks.throughput import run_llamacpp
 from benchmarks.timing import run_engine, summarize
-from engine.cpu_threads import cpu_limit
+from pagedspec.engine.worker.cpu_threads import cpu_limit
 
 HOG = [sys.executable, "-c", "while True: pass"]
 SETTLE_S = 0.5  # for the busy process to start spinning before a contended run

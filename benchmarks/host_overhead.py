@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from benchmarks import workload
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pagedspec import EngineConfig, LLMEngine, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "benchmarks" / "model_configs" / "tiny-llama.json"

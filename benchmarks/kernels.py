@@ -21,12 +21,12 @@ from functools import partial
 
 import torch
 
-import kernels
 from benchmarks import workload
 from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list
-from kernels import reference
-from kernels.testing import PagedProblem, make_paged_problem
+from pagedspec import kernels
+from pagedspec.kernels import reference
+from pagedspec.kernels.testing import PagedProblem, make_paged_problem
 
 GiB = 1 << 30
 
@@ -61,7 +61,7 @@ def time_gpu(fn: Callable[[], object], iters: int, flush: torch.Tensor | None) -
 
 def run_gpu(args: argparse.Namespace) -> dict:
     """All GPU cases (or their --tiny CPU versions), the JSON saved after each case."""
-    from kernels import triton_attention
+    from pagedspec.kernels import triton_attention
 
     cuda = not args.tiny
     device = torch.device("cuda" if cuda else "cpu")

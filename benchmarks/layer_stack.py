@@ -13,8 +13,8 @@ import time
 import torch
 
 from benchmarks.timing import percentile
-from engine import LLM, SamplingParams
-from engine.models.layer_stack import LayerStack
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.models.layer_stack import LayerStack
 
 PROMPT = "Tell me a long story about a dragon who lives in a cave near the sea and"
 

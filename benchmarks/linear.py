@@ -24,9 +24,9 @@ from benchmarks.timing import percentile, time_calls
 from benchmarks.workload import parse_int_list, resolve_model
 
 # The layer under test is engine internals by nature: this benchmark measures it alone.
-from engine.model_loader import default_dtype
-from engine.models import get_model_class
-from engine.models.linear import Linear
+from pagedspec.engine.loader.model_loader import default_dtype
+from pagedspec.engine.models import get_model_class
+from pagedspec.engine.models.linear import Linear
 
 # The library int8 kernels are measured up to this many rows: torch's _weight_int8pack_mm with
 # float32 activations takes ~10 s a pass at 128 rows, which would make the run last an hour.
@@ -57,7 +57,7 @@ def measure(spec, dtype: torch.dtype, rows_list: list[int], repeats: int) -> tup
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     plain = {m: m.weight.detach().clone() for m in layers}  # prepack leaves no plain weight
     for m in layers:
-        m.prepack()  # as engine.model_loader.load_model does
+        m.prepack()  # as pagedspec.engine.loader.model_loader.load_model does
     sizes = {"weight_bytes": sum(w.numel() * w.element_size() for w in plain.values()),
              "params": sum(w.numel() for w in plain.values())}  # fmt: skip
     with_int8 = dtype == torch.float32

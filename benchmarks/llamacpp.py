@@ -85,7 +85,7 @@ def cached_path(source: str, gguf_type: str, cache_root: str) -> str:
 def gguf_file(gguf_type: str, source: str | None = None, threads: int | None = None) -> str:
     """``source`` (default: the default model's shipped GGUF) at ``gguf_type``: the source
     itself when it already is that type, else llama.cpp's quantizer's output, made once."""
-    from engine.default_model import cache_root, default_gguf_path
+    from pagedspec.engine.loader.default_model import cache_root, default_gguf_path
 
     source = source or default_gguf_path()
     if file_type(source) == gguf_type:

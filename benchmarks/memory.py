@@ -1,6 +1,6 @@
 """Peak resident memory of ``make demo``'s command, at each weight precision.
 
-Each run is a child process (``python -m engine.generate`` on examples/prompts.jsonl, chat
+Each run is a child process (``python -m pagedspec generate`` on examples/prompts.jsonl, chat
 template, 128 greedy tokens), its peak RSS read from the kernel's accounting of that child
 (``os.wait4``: the same number as ``/usr/bin/time -v``'s "Maximum resident set size"). Issue
 17's target is the float32 run: at most 0.9 GB.
@@ -26,7 +26,7 @@ from benchmarks import workload
 from benchmarks.precisions import engine_options, get_precision
 
 ROOT = Path(__file__).resolve().parent.parent  # make demo runs here
-DEMO = ["-m", "engine.generate", "--input", "examples/prompts.jsonl", "--chat"]
+DEMO = ["-m", "pagedspec", "generate", "--input", "examples/prompts.jsonl", "--chat"]
 DEMO += ["--temperature", "0"]
 
 

@@ -11,7 +11,7 @@ something else under its name.
 
 from dataclasses import dataclass, fields
 
-from engine import EngineConfig
+from pagedspec import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ benchmark's stand-in for a trained one."""
 import torch
 from transformers import AutoConfig
 
-from engine.spec_decode.eagle_format import (
+from pagedspec.engine.spec_decode.eagle_format import (
     expected_shapes,
     layer_config_from_hf,
     make_config,

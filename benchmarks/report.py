@@ -420,7 +420,8 @@ def render_contention(p: dict) -> list[str]:
         "submitted at once; "
         f"contended: with `{cfg['busy_process']}` running beside it; the median of "
         f"{cfg['rounds']} rounds (quiet, then contended, each after a warm-up run)",
-        f"- pagedspec: threads from the load (`engine.cpu_threads`, at most {cfg['cpu_limit']}); "
+        "- pagedspec: threads from the load (`pagedspec.engine.worker.cpu_threads`, "
+        f"at most {cfg['cpu_limit']}); "
         f"pagedspec-fixed: {cfg['cpu_limit']} threads whatever else runs"
         + (f"; llama.cpp: not run ({p['llamacpp_skipped']})" if p["llamacpp_skipped"] else ""),
     ]

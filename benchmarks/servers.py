@@ -1,4 +1,4 @@
-"""The servers the online benchmarks start: pagedspec's ``python -m engine.serve`` and the peer,
+"""The servers the online benchmarks start: pagedspec's ``python -m pagedspec.serve`` and the peer,
 HF transformers' ``transformers serve --continuous-batching``, each a subprocess on a free
 127.0.0.1 port, plus what the soak reads from one (resident memory, Prometheus metrics)."""
 
@@ -56,7 +56,7 @@ def command(system: str, model_dir: str, port: int, extra: str = "") -> list[str
     """The command line that serves ``model_dir`` on ``port`` (``extra``: more flags)."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if system == "pagedspec":
-        argv = [sys.executable, "-m", "engine.serve", "--model", model_dir, *host]
+        argv = [sys.executable, "-m", "pagedspec.serve", "--model", model_dir, *host]
     elif system == "transformers":
         cli = Path(sys.executable).with_name("transformers")
         argv = [str(cli), "serve", model_dir, "--continuous-batching", *host]

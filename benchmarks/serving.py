@@ -206,7 +206,7 @@ def run(args) -> dict:
     args.rates, args.slo = _rates(args.rates), {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}
     args.server_args = {s: getattr(args, f"{s}_args") for s in servers.SYSTEMS}
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from pagedspec.engine.loader.default_model import default_model_dir
 
         args.model = default_model_dir()
     spec = workload.resolve_model(args.model, "auto", None)

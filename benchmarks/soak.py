@@ -218,7 +218,7 @@ def build_parser():
     # never-used ones run out, so RSS grows, by design, until every KV block has been written
     # once. A 128 MiB cache is warm within the first half; RSS growth after it is a leak.
     p.add_argument("--server-args", default=f"--kv-cache-memory {128 << 20}",
-                   help="more flags for python -m engine.serve")  # fmt: skip
+                   help="more flags for python -m pagedspec.serve")  # fmt: skip
     p.add_argument("--tag", default="soak", help="the JSON file's name")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(shares.values()) < 0 or sum(shares.values()) > 1:
         raise ValueError(f"--invalid, --disconnect, --abort must be >= 0 and sum to <= 1: {shares}")
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from pagedspec.engine.loader.default_model import default_model_dir
 
         args.model = default_model_dir()
     reqs = plan(args.num_requests, args.seed, shares, args.max_tokens, args.probes)

@@ -28,10 +28,10 @@ from benchmarks import workload
 from benchmarks.throughput import load_hf_model, pad_id
 from benchmarks.timing import clocked, percentile, run_engine
 from benchmarks.workload import BenchRequest, chat_prompts, kv_blocks_needed
-from engine import SpeculativeConfig
-from engine.config import METHOD_DEFAULTS
-from engine.llm import render_chat
-from engine.spec_decode.tree import tree_slots
+from pagedspec import SpeculativeConfig
+from pagedspec.engine.config import METHOD_DEFAULTS
+from pagedspec.engine.entrypoints.llm import render_chat
+from pagedspec.engine.spec_decode.tree import tree_slots
 
 # A sweep run lasts 1.5-5 s and varies by +-10% between runs on a 2-core CPU: with the best of 2,
 # the engine default measured 0.88x of off at batch 64 where 5 alternated runs each gave 0.97x.

@@ -21,11 +21,11 @@ import time
 
 import jsonschema
 
-import engine.step_sampler as sampler_module
+import pagedspec.engine.sample.step_sampler as sampler_module
 from benchmarks import workload
 from benchmarks.spec_decode import HELDOUT
-from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from engine.llm import render_chat
+from pagedspec import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from pagedspec.engine.entrypoints.llm import render_chat
 
 SCHEMAS = workload.DATA / "json_schemas.json"
 RECORDS = {  # what the throughput and speculation runs ask for: a list of records

@@ -41,8 +41,8 @@ from benchmarks.timing import (
 from benchmarks.workload import BenchRequest, kv_blocks_needed, make_engine, make_workload
 
 # The quantised kernels' own rate bounds their runs (device_rates): engine internals by nature.
-from engine.model_loader import linear_formats
-from engine.models.linear import Linear
+from pagedspec.engine.loader.model_loader import linear_formats
+from pagedspec.engine.models.linear import Linear
 
 HF_PEERS = ("hf-static", "hf-batch")
 PEERS = (*HF_PEERS, "llamacpp")

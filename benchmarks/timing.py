@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine import LLMEngine, SamplingParams
+from pagedspec import LLMEngine, SamplingParams
 
 
 def percentile(values: Sequence[float], q: float) -> float:

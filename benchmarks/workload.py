@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from engine import EngineConfig, LLMEngine
+from pagedspec import EngineConfig, LLMEngine
 
 BLOCK_SIZE = 16  # KV block size of every engine the benchmarks build
 DATA = Path(__file__).parent / "data"
@@ -65,7 +65,9 @@ def resolve_model(model: str | None, load_format: str, model_config: str | None)
         config = AutoConfig.from_pretrained(str(path))
         return ModelSpec(str(path), "dummy", None, config, None, path.stem)
     if model is None:
-        from engine.default_model import default_model_dir  # the engine has no public path
+        from pagedspec.engine.loader.default_model import (
+            default_model_dir,  # the engine has no public path
+        )
 
         path, name = default_model_dir(), "SmolLM2-135M-Instruct"
     else:
@@ -102,7 +104,7 @@ def make_workload(num, input_len, output_len, spec: ModelSpec, seed: int, prompt
 
 def chat_prompts(tokenizer, workload: str, limit: int | None = None) -> list[list[int]]:
     """The workload's chat prompts as token ids (chat template, generation prompt added)."""
-    from engine.llm import render_chat
+    from pagedspec.engine.entrypoints.llm import render_chat
 
     if workload not in WORKLOADS or tokenizer is None:
         raise ValueError(f"workload must be one of {WORKLOADS}, for a model with a tokenizer")

@@ -1,51 +1,19 @@
-"""pagedspec's public API.
+"""The serving engine, in rooms by job. Highest layer first; a room imports only rooms below
+it (the import-linter contract in pyproject.toml says the same, and ``make lint`` checks it):
 
-The names load on first use (PEP 562): ``python -m engine.serve --help`` and the scripts' flag
-errors then answer without importing torch.
+- ``tools``: offline tools on top of the engine (the EAGLE trainer)
+- ``serve``: the OpenAI-compatible HTTP server
+- ``entrypoints``: ``LLM`` and the offline ``generate`` / ``bench`` commands
+- ``core``: the loop (``LLMEngine``, the async step, the commit, building the parts)
+- ``spec_decode``: the speculation round and its proposers
+- ``sample``: logit rows to tokens (sampler, penalties, grammar masks, rejection sampling) and
+  the plain step's round
+- ``worker``: running the model (runner, spans, CUDA graphs, CPU threads, tensor-parallel ranks)
+- ``loader``: weights from HF folders and GGUF files
+- ``models``: the model definitions
+- ``distributed``: joining ranks and which shard a rank holds
+- ``request``: the engine's record of a request and its samples
+- the public types: ``config``, ``sampling_params``, ``structured_params``, ``outputs``
+
+The public API is re-exported by ``pagedspec``.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig, SpeculativeConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
-    from engine.sampling_params import RequestOutputKind, SamplingParams
-    from engine.structured_params import StructuredOutputsParams
-
-_MODULES = {
-    "LLM": "engine.llm",
-    "CompletionOutput": "engine.outputs",
-    "EngineConfig": "engine.config",
-    "EngineStats": "engine.outputs",
-    "LLMEngine": "engine.llm_engine",
-    "Logprob": "engine.outputs",
-    "RequestOutput": "engine.outputs",
-    "RequestOutputKind": "engine.sampling_params",
-    "SamplingParams": "engine.sampling_params",
-    "SpeculativeConfig": "engine.config",
-    "StructuredOutputsParams": "engine.structured_params",
-}
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineStats",
-    "LLMEngine",
-    "Logprob",
-    "RequestOutput",
-    "RequestOutputKind",
-    "SamplingParams",
-    "SpeculativeConfig",
-    "StructuredOutputsParams",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_MODULES[name]), name)

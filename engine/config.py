@@ -7,8 +7,8 @@ from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
-# None: weights as loaded. Weight-only GGUF block formats (engine.models.quant), CPU float32:
-# "int8": Q8_0; "q4_1": Q4_1 (the LM head Q8_0, as llama.cpp's Q4_1 files ship it).
+# None: weights as loaded. Weight-only GGUF block formats (pagedspec.engine.models.quant), CPU
+# float32: "int8": Q8_0; "q4_1": Q4_1 (the LM head Q8_0, as llama.cpp's Q4_1 files ship it).
 QUANTIZATIONS = (None, "int8", "q4_1")
 # "auto": the KV cache in the model's dtype. A 16-bit cache under a float32 model halves the
 # bytes attention reads (llama.cpp keeps F16 KV by default); keys and values are rounded to
@@ -64,7 +64,7 @@ class SpeculativeConfig:
     measures the crossover).
 
     ``max_draft_skip``: after a verification round that accepted nothing, a sequence skips
-    drafting for 1, 2, 4, ... steps, at most this many (``engine.spec_decode.backoff``); 0
+    drafting for 1, 2, 4, ... steps, at most this many (``pagedspec.engine.spec_decode.backoff``); 0
     drafts every step. Lower it for prompts that are drafted well; raise it where drafts fail.
 
     ``min_draft_confidence``: a draft model or head stops a sequence's chain once the product
@@ -74,8 +74,8 @@ class SpeculativeConfig:
     alone, never on the target's p, so verification stays exact.
 
     ``draft_leaves`` (eagle): this many more of the head's tokens are verified as leaves beside
-    the chain, in the same forward (a draft tree: ``engine.spec_decode.tree``). At every depth
-    the chain reaches, the head's next-best tokens there are candidates, each scored by the
+    the chain, in the same forward (a draft tree: ``pagedspec.engine.spec_decode.tree``). At every
+    depth the chain reaches, the head's next-best tokens there are candidates, each scored by the
     probability of its path: the product of the chain's top-1 probabilities above it, times its
     own (EAGLE-2's ranking: a leaf goes where the head expects the chain to be rejected, most
     often beside an unsure first draft); the best-scored ones are verified. Where the chain is
@@ -132,8 +132,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_leaves must be an integer >= 0, got {leaves!r}")
         if leaves and self.method != "eagle":
             raise ValueError(f"draft_leaves needs method='eagle', got {self.method!r}")
-        # (kernels imports torch: the flags are checked before it loads, see engine.generate)
-        from kernels.tree_mask import MAX_TREE_TOKENS
+        # (kernels imports torch: the flags are checked before it loads, see
+        # pagedspec.engine.entrypoints.generate)
+        from pagedspec.kernels.tree_mask import MAX_TREE_TOKENS
 
         if leaves and self.num_speculative_tokens + leaves >= MAX_TREE_TOKENS:
             raise ValueError(
@@ -173,8 +174,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     kv_cache_memory: int | None = None  # bytes for KV when num_kv_blocks is None
-    # Ranks the model is split over (engine.distributed): rank 0 is this process, the others
-    # are spawned here, or join from other machines when WORLD_SIZE is set in the environment.
+    # Ranks the model is split over (pagedspec.engine.distributed): rank 0 is this process, the
+    # others are spawned here, or join from other machines when WORLD_SIZE is set in the
+    # environment.
     tensor_parallel_size: int = 1
     # Weight-only quantisation of every Linear (QUANTIZATIONS): "int8" quantises each weight
     # at load to GGUF Q8_0, "q4_1" to Q4_1 but the LM head to Q8_0 (a Q8_0 / Q4_1 GGUF file's
@@ -182,18 +184,19 @@ class EngineConfig:
     quantization: str | None = None
     # KV_CACHE_DTYPES: "auto", the model's dtype, or a 16-bit cache under a float32 model.
     kv_cache_dtype: str = "auto"
-    # CUDA: decode and verification steps replay graphs captured at start-up (engine.cuda_graphs)
-    # unless True.
+    # CUDA: decode and verification steps replay graphs captured at start-up
+    # (pagedspec.engine.worker.cuda_graphs) unless True.
     enforce_eager: bool = False
     # CPU: the kernels' threads. None: the CPUs free to this process (affinity mask, cgroup
-    # quota), fewer while other processes keep some of them busy (engine.cpu_threads).
+    # quota), fewer while other processes keep some of them busy
+    # (pagedspec.engine.worker.cpu_threads).
     num_threads: int | None = None
     # "fcfs", or "priority": requests by add_request's priority (lower first, ties by arrival),
     # and under memory pressure the lowest-priority running sequence is preempted first.
     scheduling_policy: str = "fcfs"
-    # Async scheduling (engine.async_steps): the host schedules and launches step N + 1 before
-    # it reads step N's tokens, so on CUDA it works while the device runs. Steps whose rows
-    # read nothing but their tokens (others run synchronously); no speculation or TP.
+    # Async scheduling (pagedspec.engine.core.async_step): the host schedules and launches step
+    # N + 1 before it reads step N's tokens, so on CUDA it works while the device runs. Steps
+    # whose rows read nothing but their tokens (others run synchronously); no speculation or TP.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memory import BlockManager
-    from scheduler import Scheduler
+    from pagedspec.memory import BlockManager
+    from pagedspec.scheduler import Scheduler
 
 
 class Logprob(float):

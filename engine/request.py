@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams, greedy_from
-from engine.spec_decode.draft_state import DraftState
-from scheduler import Sequence
+from pagedspec.engine.sampling_params import SamplingParams, greedy_from
+from pagedspec.scheduler import Sequence
+
+
+class Draft(Protocol):
+    """What speculation keeps about a sequence (``pagedspec.engine.spec_decode.draft_state``)."""
+
+    def fork(self) -> Draft:
+        """The copy a forked sample starts with."""
+        ...
+
+
+class Detokenizer(Protocol):
+    """Token ids to text, one token at a time (``pagedspec.engine.core.detokenizer``)."""
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class SampleState:
@@ -40,8 +54,8 @@ class SampleState:
         request: Request,
         index: int,
         seq: Sequence,
-        detokenizer: IncrementalDetokenizer | None,
-        draft: DraftState | None = None,
+        detokenizer: Detokenizer | None,
+        draft: Draft | None = None,
         grammar: Any = None,
     ) -> None:
         self.request = request
@@ -55,8 +69,9 @@ class SampleState:
             [] if request.params.logprobs is not None else None
         )
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
-        self.draft = DraftState() if draft is None else draft
-        # llguidance's matcher at the committed tokens (engine.grammar); None: unconstrained
+        self.draft = draft  # None: speculation is off
+        # llguidance's matcher at the committed tokens (pagedspec.engine.sample.grammar); None:
+        # unconstrained
         self.grammar = grammar
         seq.owner = self
 
@@ -78,7 +93,8 @@ class Request:
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None  # why the engine aborted it, when a step failed on it
     prompt_logprobs: list[dict[int, float] | None] | None = None  # see RequestOutput
-    # the output count from which its rows are plain greedy (engine.sampling_params.greedy_from)
+    # the output count from which its rows are plain greedy
+    # (pagedspec.engine.sampling_params.greedy_from)
     greedy_from: int = field(init=False)
     # characters an unfinished sample's output holds back: len(longest stop string) - 1
     held_chars: int = field(init=False)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.structured_params import StructuredOutputsParams, as_structured
+from pagedspec.engine.structured_params import StructuredOutputsParams, as_structured
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -25,7 +25,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     # vLLM's / OpenAI's penalties, applied to the raw logits before temperature (see
-    # engine/penalties.py): presence and frequency count generated tokens only, repetition
+    # engine/sample/penalties.py): presence and frequency count generated tokens only, repetition
     # every token of the prompt or the output
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -42,8 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # The output must match this (engine.grammar): masked before penalties, temperature,
-    # top-k/p and min-p; logprobs stay those of the raw logits.
+    # The output must match this (pagedspec.engine.sample.grammar): masked before penalties,
+    # temperature, top-k/p and min-p; logprobs stay those of the raw logits.
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 

@@ -2,7 +2,7 @@
 
 Only the shape is checked here (no library is imported: the CLIs read this module); whether a
 schema, regex or grammar compiles is checked against the tokenizer when the request is added
-(``engine.grammar``).
+(``pagedspec.engine.sample.grammar``).
 """
 
 from __future__ import annotations

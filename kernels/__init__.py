@@ -1,20 +1,20 @@
 """Paged attention and KV-cache write behind one dispatch.
 
-Backends: "torch" (kernels.reference, plain PyTorch: the oracle and the portable CPU path),
-"cpu" (kernels.cpu_attention: C++ kernels built on first use), "triton" (kernels.triton_*; on
-CPU tensors it runs in Triton's interpreter, see kernels.triton_attention), "xformers" (CUDA
-only; its paged attention for attention, the Triton scatter for the cache write). "auto" picks
-"triton" for CUDA tensors, "cpu" for CPU tensors of float32/bfloat16/float16 where the extension
-builds, and "torch" otherwise. Triton and xformers modules are imported only when first used, so
-a CPU process never imports xformers.
+Backends: "torch" (pagedspec.kernels.reference, plain PyTorch: the oracle and the portable CPU
+path), "cpu" (pagedspec.kernels.cpu_attention: C++ kernels built on first use), "triton"
+(kernels.triton_*; on CPU tensors it runs in Triton's interpreter, see
+pagedspec.kernels.triton_attention), "xformers" (CUDA only; its paged attention for attention, the
+Triton scatter for the cache write). "auto" picks "triton" for CUDA tensors, "cpu" for CPU tensors
+of float32/bfloat16/float16 where the extension builds, and "torch" otherwise. Triton and xformers
+modules are imported only when first used, so a CPU process never imports xformers.
 """
 
 from typing import Literal
 
 import torch
 
-from kernels import cpu_attention, cpu_extension, reference
-from kernels.checks import check_paged_attention_args
+from pagedspec.kernels import cpu_attention, cpu_extension, reference
+from pagedspec.kernels.checks import check_paged_attention_args
 
 Backend = Literal["auto", "torch", "cpu", "triton", "xformers"]
 _BACKENDS = ("auto", "torch", "cpu", "triton", "xformers")
@@ -80,7 +80,7 @@ def write_kv_cache(
     if chosen == "cpu":
         cpu_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
-    from kernels.triton_kv_write import write_kv_cache as triton_write
+    from pagedspec.kernels.triton_kv_write import write_kv_cache as triton_write
 
     triton_write(key, value, k_cache, v_cache, slot_mapping)
 
@@ -147,12 +147,12 @@ def paged_attention(
     if chosen == "cpu":
         return cpu_attention.paged_attention(*args, tree_mask=tree_mask)
     if chosen == "triton":
-        from kernels.triton_attention import paged_attention as triton_attention
+        from pagedspec.kernels.triton_attention import paged_attention as triton_attention
 
         return triton_attention(*args, tree_mask=tree_mask)
     if tree_mask is not None:
         raise ValueError("backend 'xformers' has no tree masks: use 'triton' for draft trees")
-    from kernels.xformers_backend import paged_attention as xformers_attention
+    from pagedspec.kernels.xformers_backend import paged_attention as xformers_attention
 
     return xformers_attention(*args)
 
@@ -176,7 +176,7 @@ def warmup(
     chosen = _resolve(backend, k_cache)
     if chosen not in ("triton", "xformers"):
         return 0
-    from kernels.triton_warmup import warmup as triton_warmup
+    from pagedspec.kernels.triton_warmup import warmup as triton_warmup
 
     variants = triton_warmup(
         num_heads, k_cache, v_cache, max_context, chosen == "triton", query_dtype or k_cache.dtype,

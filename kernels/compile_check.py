@@ -1,5 +1,5 @@
 """Compiles every Triton kernel variant for NVIDIA targets without a GPU and reports each one's
-registers, spills and shared memory: ``python -m kernels.compile_check --archs 80,90``.
+registers, spills and shared memory: ``python -m pagedspec.kernels.compile_check --archs 80,90``.
 
 Triton's NVIDIA backend compiles ahead of time from an ASTSource and a GPUTarget with its bundled
 ptxas; cuobjdump -res-usage then reads the cubin (a STACK frame means spilled registers: the
@@ -40,8 +40,8 @@ def _torch_dtype(name: str):
 def variants(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[dict]:
     """Every (kernel, constants) the engine can launch for these dtypes and head dims."""
 
-    from kernels.triton_attention import _MAX_SPLITS, max_block_m
-    from kernels.triton_warmup import attention_variants
+    from pagedspec.kernels.triton_attention import _MAX_SPLITS, max_block_m
+    from pagedspec.kernels.triton_warmup import attention_variants
 
     out = []
     for dtype, block_d in itertools.product(dtypes, head_dims):
@@ -63,8 +63,8 @@ def _source(v: dict):
     """The ASTSource and launch options of variant v."""
     from triton.compiler import ASTSource
 
-    from kernels import triton_attention as ta
-    from kernels import triton_kv_write as tw
+    from pagedspec.kernels import triton_attention as ta
+    from pagedspec.kernels import triton_kv_write as tw
 
     dtype = v["dtype"]
     if v["kernel"] == "attention":

@@ -1,16 +1,17 @@
 """The "cpu" backend: paged attention and the KV-cache write by the C++ kernels in
 kernels/csrc/cpu_paged_attention.cpp.
 
-"auto" picks it for CPU tensors of a dtype in DTYPES when ``kernels.cpu_extension.available()``;
-where the extension cannot be built (no compiler), "auto" falls back to the torch backend.
+"auto" picks it for CPU tensors of a dtype in DTYPES when
+``pagedspec.kernels.cpu_extension.available()``; where the extension cannot be built (no compiler),
+"auto" falls back to the torch backend.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_extension
-from kernels.checks import check_paged_attention_args
+from pagedspec.kernels import cpu_extension
+from pagedspec.kernels.checks import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,5 +1,5 @@
 """Plain-PyTorch paged attention and KV-cache write: the oracle for the kernels, and the CPU path
-where the C++ kernels (kernels.cpu_attention) cannot be built or the dtype is not theirs.
+where the C++ kernels (pagedspec.kernels.cpu_attention) cannot be built or the dtype is not theirs.
 
 Attention is vectorised over sequences. Sequences are sorted by context length and cut into
 chunks whose gathered K/V fit a few MiB; for each chunk the K/V blocks are gathered into a padded
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import check_paged_attention_args, check_write_kv_cache_args
-from kernels.tree_mask import MAX_TREE_TOKENS
+from pagedspec.kernels.checks import check_paged_attention_args, check_write_kv_cache_args
+from pagedspec.kernels.tree_mask import MAX_TREE_TOKENS
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ unnormalised accumulator) in fp32 and _merge_kernel combines them by log-sum-exp
 splits is chosen by _auto_num_splits (documented there) or forced by the num_splits argument.
 
 CPU. On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set
-by kernels.triton_setup before they are decorated), slowly but exactly: this is how the tests
-check them. The kernels call only Triton builtins, never the @jit helpers of
+by pagedspec.kernels.triton_setup before they are decorated), slowly but exactly: this is how the
+tests check them. The kernels call only Triton builtins, never the @jit helpers of
 triton.language.standard (tl.zeros, tl.max, tl.sum, tl.cdiv): those were decorated when triton
 was first imported, which may predate TRITON_INTERPRET (transformers' Llama imports triton), and
 a compiled helper cannot be called from an interpreted kernel. Max and sum are tl.reduce with
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import check_paged_attention_args
-from kernels.triton_setup import check_device, interpreted, tl, triton
+from pagedspec.kernels.checks import check_paged_attention_args
+from pagedspec.kernels.triton_setup import check_device, interpreted, tl, triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Split-KV segments shorter than this are not worth a partial write and a merge.
@@ -281,8 +281,8 @@ class KernelConfig:
 
 
 # (fp32, BLOCK_D, BLOCK_M) -> KernelConfig, each compiled for sm_80 and sm_90 by
-# kernels.compile_check with no register spills and <= 99 KB of shared memory (A10 / L4 / RTX 4090
-# class GPUs have no more): tests/test_kernel_compile.py. The Q, K and V tiles and the fp32
+# pagedspec.kernels.compile_check with no register spills and <= 99 KB of shared memory (A10 / L4 /
+# RTX 4090 class GPUs have no more): tests/test_kernel_compile.py. The Q, K and V tiles and the fp32
 # accumulator live in registers with their gather addresses, so all but the smallest tile take 8
 # warps, and the widest (fp32, head dim 128) narrower KV tiles. ptxas is not monotone here (fp32
 # 128 x 32 split-KV spills with 1 or 2 stages, not 3): each entry is the first that compiled
@@ -303,7 +303,7 @@ _CONFIGS = {
 }
 # Float32 queries over a 16-bit cache (kv_cache_dtype), per (padded head dim, BLOCK_M): the K/V
 # tiles are widened after their load, and with num_stages > 1 the software pipeline then kept
-# whole tiles in registers and spilled (kernels.compile_check: up to 600 bytes of stack on
+# whole tiles in registers and spilled (pagedspec.kernels.compile_check: up to 600 bytes of stack on
 # sm_80/90); one stage and narrower tiles compile without spills. Not timed: no GPU was lent.
 _NARROW_CACHE_CONFIGS = {
     (64, 16): KernelConfig(32, 4, 1),
@@ -313,8 +313,8 @@ _NARROW_CACHE_CONFIGS = {
     (128, 32): KernelConfig(16, 16, 1),
 }
 # A tree-mask variant (TREE) under the configs above spills up to this many bytes of registers
-# in 10 of its 148 variants (kernels.compile_check); halving BLOCK_N, one stage or twice the
-# warps each left 5-10 spilling. Tree launches are draft verifications of a few tokens a
+# in 10 of its 148 variants (pagedspec.kernels.compile_check); halving BLOCK_N, one stage or twice
+# the warps each left 5-10 spilling. Tree launches are draft verifications of a few tokens a
 # sequence; their cost was not timed (no GPU lent).
 TREE_STACK_LIMIT = 16
 # Head dims past 128 (no model served here has them): small tiles, not compile-checked.

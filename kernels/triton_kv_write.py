@@ -1,12 +1,12 @@
 """Triton scatter of new K/V tokens into the paged caches (one program per token).
 
-On CPU tensors it runs in Triton's interpreter; see kernels.triton_setup.
+On CPU tensors it runs in Triton's interpreter; see pagedspec.kernels.triton_setup.
 """
 
 import torch
 
-from kernels.checks import check_write_kv_cache_args
-from kernels.triton_setup import check_device, interpreted, tl, triton
+from pagedspec.kernels.checks import check_write_kv_cache_args
+from pagedspec.kernels.triton_setup import check_device, interpreted, tl, triton
 
 
 @triton.jit

@@ -5,7 +5,7 @@ its interpreter, from the TRITON_INTERPRET environment variable. So on a machine
 module sets TRITON_INTERPRET=1 (unless the user set it) before the kernel modules decorate
 anything; importing triton earlier elsewhere does not matter. To run the kernels in the
 interpreter on a CUDA machine, export TRITON_INTERPRET=1 before the first import of
-kernels.triton_attention / kernels.triton_kv_write.
+pagedspec.kernels.triton_attention / pagedspec.kernels.triton_kv_write.
 """
 
 import os

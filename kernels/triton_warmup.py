@@ -5,7 +5,7 @@ first time it is launched, 1-3 s each, which mid-serving would stall every reque
 attention kernel's variants for one model (dtype, heads, head dim, block size fixed) are its
 BLOCK_M tiles times single pass / split-KV, plus the merge kernel per power-of-two split count;
 the KV write has one. Run-time sizes (token and sequence counts, splits, the block-table width)
-are not specialised on (see kernels.triton_attention), so nothing else can appear.
+are not specialised on (see pagedspec.kernels.triton_attention), so nothing else can appear.
 
 Off CUDA this compiles nothing: the interpreter has no compile step.
 """
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import triton_attention
-from kernels.triton_attention import LaunchPlan, block_m_for, max_auto_splits, max_block_m
-from kernels.triton_kv_write import write_kv_cache
-from kernels.triton_setup import interpreted, triton
+from pagedspec.kernels import triton_attention
+from pagedspec.kernels.triton_attention import LaunchPlan, block_m_for, max_auto_splits, max_block_m
+from pagedspec.kernels.triton_kv_write import write_kv_cache
+from pagedspec.kernels.triton_setup import interpreted, triton
 
 # Rows per tile BLOCK_M takes min(64, next_power_of_2(rows)) of; 2**6 = 64 is the largest.
 _ROW_POWERS = range(7)
@@ -63,7 +63,7 @@ def warmup(
     `query_dtype` (None: the caches'); returns the attention variants launched (none with
     ``attention=False``: the KV write alone, for the xformers backend).
 
-    The query, key and value are views laid out as engine.models.llama makes them (q and k
+    The query, key and value are views laid out as pagedspec.engine.models.llama makes them (q and k
     split from one rotary output, v split from the qkv projection), so the pointers and strides
     have the divisibility the real launches have: Triton specialises on nothing else here. The
     KV write is compiled with slot -1, which writes nothing; attention reads block 0 and its

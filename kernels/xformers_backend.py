@@ -1,7 +1,7 @@
 """Paged attention through xFormers (CUDA only): a peer backend to compare the Triton kernel with.
 
 xFormers has no CPU kernels, so this module is imported only when backend="xformers" is asked for
-with CUDA tensors (see kernels.__init__). Our span semantics are exactly xFormers'
+with CUDA tensors (see pagedspec.kernels.__init__). Our span semantics are exactly xFormers'
 PagedBlockDiagonalCausalWithOffsetPaddedKeysMask: block-diagonal over sequences, causal from the
 bottom right (query j of a span of q_len over seq_len keys sees keys 0..seq_len - q_len + j).
 Its bias is built from host lists, so every call syncs once to read the span lengths.
@@ -11,7 +11,7 @@ import torch
 from xformers.ops import fmha
 from xformers.ops.fmha.attn_bias import PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
 
-from kernels.checks import check_paged_attention_args
+from pagedspec.kernels.checks import check_paged_attention_args
 
 
 def paged_attention(

@@ -1,9 +1,9 @@
 """Paged KV memory: block pool, per-sequence block tables, prefix caching and KV sizing."""
 
-from memory.block_manager import BlockManager, BlockStats
-from memory.block_pool import NoFreeBlocksError
-from memory.kv_cache import allocate_kv_caches, kv_block_bytes, num_kv_blocks
-from memory.slots import slot_mapping, slot_of
+from pagedspec.memory.block_manager import BlockManager, BlockStats
+from pagedspec.memory.block_pool import NoFreeBlocksError
+from pagedspec.memory.kv_cache import allocate_kv_caches, kv_block_bytes, num_kv_blocks
+from pagedspec.memory.slots import slot_mapping, slot_of
 
 __all__ = [
     "BlockManager",

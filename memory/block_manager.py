@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memory.block_pool import ROOT_HASH, BlockPool, NoFreeBlocksError
-from memory.slots import slot_of
+from pagedspec.memory.block_pool import ROOT_HASH, BlockPool, NoFreeBlocksError
+from pagedspec.memory.slots import slot_of
 
 
 @dataclass(frozen=True, slots=True)

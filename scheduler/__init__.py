@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: pure logic over sequences and the block manager."""
 
-from scheduler.output import ScheduledSequence, SchedulerOutput
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence, SequenceStatus
+from pagedspec.scheduler.output import ScheduledSequence, SchedulerOutput
+from pagedspec.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedspec.scheduler.sequence import Sequence, SequenceStatus
 
 __all__ = [
     "ScheduledSequence",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.sequence import Sequence
+from pagedspec.scheduler.sequence import Sequence
 
 
 class ScheduledSequence:

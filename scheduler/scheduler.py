@@ -13,13 +13,14 @@ lower value first); a preempted sequence rejoins the waiting queue at its place 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from memory import BlockManager, NoFreeBlocksError
-from scheduler.output import ScheduledSequence, SchedulerOutput
-from scheduler.sequence import Sequence, SequenceStatus
+from pagedspec.memory import BlockManager, NoFreeBlocksError
+from pagedspec.scheduler.output import ScheduledSequence, SchedulerOutput
+from pagedspec.scheduler.sequence import Sequence, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
 
@@ -68,6 +69,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- the step ---------------------------------------------------------------------------
+    def runs_every_decode(self) -> bool:
+        """Whether the next ``schedule(0)`` gives every running sequence its tokens without
+        preempting: the token budget has one for each, and the pool a block for every decode
+        (a decode needs at most one)."""
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return False
+        decodes = sum(1 for seq in self.running if _is_decode(seq))
+        return self.block_manager.num_free_blocks() >= decodes
+
+    def admissible(self) -> Iterator[Sequence]:
+        """The waiting sequences the next step may admit as far as seats go (the queue's head,
+        one seat at least each); memory may stop it sooner."""
+        seats = self.config.max_num_seqs - sum(seq.seats for seq in self.running)
+        return itertools.islice(self.waiting, max(seats, 0))
+
     def schedule(self, num_lookahead_slots: int | Callable[[Sequence], int] = 0) -> SchedulerOutput:
         """Pick this step's sequences. ``num_lookahead_slots``: the draft slots to reserve after
         a decode (k, or k per sequence); fewer when the token budget or max_model_len is short.
@@ -79,9 +95,8 @@ class Scheduler:
         table = self.block_manager.frozen_table
         running = RUNNING
         decoding, prefilling = [], []
-        for seq in self.running:  # a decode has one token left to compute (maybe pending)
-            left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
-            (decoding if left == 1 else prefilling).append(seq)
+        for seq in self.running:
+            (decoding if _is_decode(seq) else prefilling).append(seq)
 
         if self.config.policy == "priority":  # so a victim is never one already scheduled
             decoding.sort(key=self._key)
@@ -218,3 +233,8 @@ class Scheduler:
         if self.config.policy == "fcfs":
             return self.running[-1]
         return max(self.running, key=self._key)
+
+
+def _is_decode(seq: Sequence) -> bool:
+    """A decode has one token left to compute (maybe pending on the device); else a prefill."""
+    return len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens == 1

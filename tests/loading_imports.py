@@ -13,7 +13,7 @@ def imported_after_loading(path: str, prefixes: tuple[str, ...]) -> list[str]:
     """The sorted names starting with one of ``prefixes`` in sys.modules after
     ``load_model(path)`` (with its tokenizer) in a new interpreter."""
     code = (
-        "import json, sys; from engine.model_loader import load_model; "
+        "import json, sys; from pagedspec.engine.loader.model_loader import load_model; "
         f"assert load_model({path!r}).tokenizer is not None; "
         f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))"
     )

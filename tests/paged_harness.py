@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from engine.model_loader import model_kv_shape
-from engine.models import AttentionMetadata
+from pagedspec.engine.loader.model_loader import model_kv_shape
+from pagedspec.engine.models import AttentionMetadata
 
 
 class PagedHarness:

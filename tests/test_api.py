@@ -1,5 +1,5 @@
 """The user-facing API around the engine: what ``LLM.generate`` / ``LLM.chat`` accept, what an
-interrupted call leaves behind, ``SamplingParams`` validation, the ``python -m engine.generate``
+interrupted call leaves behind, ``SamplingParams`` validation, the ``python -m pagedspec generate``
 script's handling of bad input, and the model-loading modules' import graph."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-import engine.generate
-import engine.llm
-from engine import LLM, EngineConfig, RequestOutputKind, SamplingParams
+import pagedspec.engine.entrypoints.generate
+import pagedspec.engine.entrypoints.llm
+from pagedspec import LLM, EngineConfig, RequestOutputKind, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -309,7 +309,8 @@ def test_sampling_params_stays_a_vllm_style_dataclass():
         dataclasses.replace(params, max_token=3)
 
 
-# --- python -m engine.generate ------------------------------------------------------------------
+# --- python -m pagedspec generate
+# ------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -317,7 +318,9 @@ def no_model(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(engine.llm, "LLM", load)  # what engine.generate imports to load it
+    monkeypatch.setattr(
+        pagedspec.engine.entrypoints.llm, "LLM", load
+    )  # what pagedspec.engine.entrypoints.generate imports to load it
 
 
 def one_error_line(capsys) -> str:
@@ -332,7 +335,9 @@ def write_jsonl(path: Path, lines: list[str]) -> str:
 
 
 def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path):
-    assert engine.generate.main(["--input", str(tmp_path / "missing.txt")]) == 2
+    assert (
+        pagedspec.engine.entrypoints.generate.main(["--input", str(tmp_path / "missing.txt")]) == 2
+    )
     assert "--input" in (err := one_error_line(capsys)) and "missing.txt" in err
 
 
@@ -355,7 +360,7 @@ def test_generate_script_reports_a_missing_input_file(no_model, capsys, tmp_path
 )  # fmt: skip
 def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, bad_line, match):
     path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "", bad_line])
-    assert engine.generate.main(["--input", path]) == 2
+    assert pagedspec.engine.entrypoints.generate.main(["--input", path]) == 2
     err = one_error_line(capsys)
     assert "line 3" in err and match in err
 
@@ -388,7 +393,7 @@ def test_generate_script_names_the_bad_input_line(no_model, capsys, tmp_path, ba
 )  # fmt: skip
 def test_generate_script_names_the_bad_flag(no_model, capsys, tmp_path, flags, named):
     flags = [f.format(missing=tmp_path / "missing", tmp=tmp_path) for f in flags]
-    assert engine.generate.main(["--prompt", "hi", *flags]) == 2
+    assert pagedspec.engine.entrypoints.generate.main(["--prompt", "hi", *flags]) == 2
     assert one_error_line(capsys).startswith(f"error: {named}: ")
 
 
@@ -404,21 +409,26 @@ def test_generate_script_reports_what_the_model_refuses_in_one_line(
     tiny_llama, capsys, flags, message
 ):
     prompt = "one two three " * 20
-    assert engine.generate.main(["--model", tiny_llama, "--prompt", prompt, *flags]) == 2
+    assert (
+        pagedspec.engine.entrypoints.generate.main(
+            ["--model", tiny_llama, "--prompt", prompt, *flags]
+        )
+        == 2
+    )
     assert one_error_line(capsys).startswith(message)
 
 
 def test_generate_script_passes_the_kv_cache_dtype_on():
-    args = engine.generate.build_parser().parse_args(
+    args = pagedspec.engine.entrypoints.generate.build_parser().parse_args(
         ["--prompt", "hi", "--kv-cache-dtype", "float16"]
     )
-    assert engine.generate.check_args(args)[2].kv_cache_dtype == "float16"
+    assert pagedspec.engine.entrypoints.generate.check_args(args)[2].kv_cache_dtype == "float16"
 
 
 def test_generate_script_exits_2_without_a_traceback(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "fine"}', "{"])
     run = subprocess.run(
-        [sys.executable, "-m", "engine.generate", "--input", path],
+        [sys.executable, "-m", "pagedspec", "generate", "--input", path],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2 and run.stdout == ""
@@ -427,7 +437,7 @@ def test_generate_script_exits_2_without_a_traceback(tmp_path):
 
 def test_generate_script_help_shows_each_default_once(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    parser = engine.generate.build_parser()
+    parser = pagedspec.engine.entrypoints.generate.build_parser()
     options = parser.format_help().split("options:", 1)[1]
     entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options)]
     for action in parser._actions:
@@ -445,8 +455,8 @@ def test_jsonl_prompts_round_trip(tmp_path):
     path = write_jsonl(
         tmp_path / "in.jsonl", [json.dumps({"prompt": "a"}), json.dumps({"messages": messages})]
     )
-    args = engine.generate.build_parser().parse_args(["--input", path])
-    lines = engine.generate.read_prompts(args.prompt, args.input)
+    args = pagedspec.engine.entrypoints.generate.build_parser().parse_args(["--input", path])
+    lines = pagedspec.engine.entrypoints.generate.read_prompts(args.prompt, args.input)
     assert [line.prompt for line in lines] == ["a", messages]
     assert [line.structured_outputs for line in lines] == [None, None]
 
@@ -465,14 +475,17 @@ def test_generate_script_takes_a_constraint_per_line(tiny_llama, capsys, tmp_pat
     ]
     path, out = write_jsonl(tmp_path / "in.jsonl", map(json.dumps, lines)), tmp_path / "out.jsonl"
     argv = ["--model", tiny_llama, "--input", path, "--output", str(out), "--max-tokens", "30"]
-    assert engine.generate.main([*argv, "--temperature", "1", "--seed", "3"]) == 0
+    assert (
+        pagedspec.engine.entrypoints.generate.main([*argv, "--temperature", "1", "--seed", "3"])
+        == 0
+    )
     texts = [json.loads(r)["outputs"][0]["text"] for r in out.read_text().splitlines()]
     assert json.loads(texts[0]) in ({"k": "x"}, {"k": "y"}) and json.loads(texts[1])["k"]
     assert texts[2] in ("red", "blue")
     capsys.readouterr()
     bad_line = json.dumps({"prompt": "b", "structured_outputs": {"regex": "[0-9"}})
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "a"}', bad_line])
-    assert engine.generate.main(["--model", tiny_llama, "--input", bad]) == 2
+    assert pagedspec.engine.entrypoints.generate.main(["--model", tiny_llama, "--input", bad]) == 2
     err = one_error_line(capsys)
     assert "line 2: structured_outputs.regex:" in err
 
@@ -480,10 +493,10 @@ def test_generate_script_takes_a_constraint_per_line(tiny_llama, capsys, tmp_pat
 # --- import graph -------------------------------------------------------------------------------
 
 LOADING_MODULES = (
-    "engine.gguf_loader",
-    "engine.safetensors_loader",
-    "engine.default_model",
-    "engine.model_loader",
+    "pagedspec.engine.loader.gguf_loader",
+    "pagedspec.engine.loader.safetensors_loader",
+    "pagedspec.engine.loader.default_model",
+    "pagedspec.engine.loader.model_loader",
 )
 
 

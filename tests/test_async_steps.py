@@ -1,6 +1,6 @@
-"""Async scheduling on the CPU (engine.async_steps): each step launched before the previous one
-is read gives the synchronous engine's tokens, outputs and block accounting, whatever stops,
-aborts, failures or non-greedy requests come in between."""
+"""Async scheduling on the CPU (pagedspec.engine.core.async_step): each step launched before the
+previous one is read gives the synchronous engine's tokens, outputs and block accounting, whatever
+stops, aborts, failures or non-greedy requests come in between."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from engine.graph_capture import capture_graphs, rerun_capture
+from pagedspec import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from pagedspec.engine.core.graph_capture import capture_graphs, rerun_capture
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
 
@@ -22,7 +22,7 @@ def engine_for(model: str, **kwargs) -> LLMEngine:
 
 def launches(engine: LLMEngine, failed: int = 0) -> int:
     """Steps the engine launched async; ``failed`` of them raised (else they ran as launched)."""
-    steps = inspect.unwrap(engine._next_step).__self__  # (AsyncSteps.step, wrapped)
+    steps = inspect.unwrap(engine._next_step)  # (the AsyncStep, wrapped)
     assert steps.failed == failed
     return steps.launches
 

@@ -45,10 +45,10 @@ from benchmarks.workload import (
     parse_int_list,
     parse_range,
 )
-from engine import EngineStats
-from engine.models.linear import Linear
-from engine.models.quant import quantized_weight
-from engine.spec_decode.eagle_format import load_head, save_head
+from pagedspec import EngineStats
+from pagedspec.engine.models.linear import Linear
+from pagedspec.engine.models.quant import quantized_weight
+from pagedspec.engine.spec_decode.eagle_format import load_head, save_head
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,8 +7,14 @@ import random
 import pytest
 import torch
 
-import memory.block_pool
-from memory import BlockManager, BlockStats, NoFreeBlocksError, kv_block_bytes, num_kv_blocks
+import pagedspec.memory.block_pool
+from pagedspec.memory import (
+    BlockManager,
+    BlockStats,
+    NoFreeBlocksError,
+    kv_block_bytes,
+    num_kv_blocks,
+)
 
 B = 4  # block size used throughout: small, so boundaries are easy to hit
 
@@ -541,7 +547,9 @@ def test_rewriting_a_truncated_registered_block_unregisters_it(rng):
 
 
 def test_hash_collisions_never_return_wrong_blocks(rng, monkeypatch):
-    monkeypatch.setattr(memory.block_pool, "hash_block_tokens", lambda parent, tokens: b"same")
+    monkeypatch.setattr(
+        pagedspec.memory.block_pool, "hash_block_tokens", lambda parent, tokens: b"same"
+    )
     bm = BlockManager(32, B)
     a = tokens(rng, 3 * B + 1)
     bm.allocate(0, a)

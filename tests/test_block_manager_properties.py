@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from memory import BlockManager, NoFreeBlocksError
+from pagedspec.memory import BlockManager, NoFreeBlocksError
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so prompts share prefixes often
 

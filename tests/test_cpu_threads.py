@@ -7,8 +7,14 @@ import os
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.cpu_threads import IDLE_S, INTERVAL_S, ThreadGovernor, cpu_limit, read_busy
+from pagedspec.engine.config import EngineConfig
+from pagedspec.engine.worker.cpu_threads import (
+    IDLE_S,
+    INTERVAL_S,
+    ThreadGovernor,
+    cpu_limit,
+    read_busy,
+)
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -125,7 +131,7 @@ def test_the_governor_keeps_its_count_when_proc_cannot_tell():
 
 
 def test_num_threads_fixes_the_count_and_the_default_follows_the_load(tiny_llama):
-    from engine import LLM
+    from pagedspec import LLM
 
     with pytest.raises(ValueError, match="num_threads must be an integer >= 1, got 0"):
         EngineConfig(model=tiny_llama, num_threads=0)

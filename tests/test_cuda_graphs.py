@@ -1,21 +1,22 @@
-"""engine.cuda_graphs and engine.graph_capture off CUDA: static buffers, padding and dispatch,
-with ``rerun_capture`` standing in for the graph (its replay reruns the forward on the same
-buffers into the same output). The capture itself runs on a GPU: tests/test_gpu_engine.py."""
+"""pagedspec.engine.worker.cuda_graphs and pagedspec.engine.core.graph_capture off CUDA: static
+buffers, padding and dispatch, with ``rerun_capture`` standing in for the graph (its replay reruns
+the forward on the same buffers into the same output). The capture itself runs on a GPU:
+tests/test_gpu_engine.py."""
 
 import pytest
 import torch
 from conftest import build_random_eagle_head
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import StepGraphs
-from engine.graph_capture import (
+from pagedspec import EngineConfig, LLMEngine, SamplingParams
+from pagedspec.engine.core.graph_capture import (
     capture_graphs,
     graph_batch_sizes,
     graph_families,
     rerun_capture,
     uses_cuda_graphs,
 )
-from engine.spans import Span
+from pagedspec.engine.worker.cuda_graphs import StepGraphs
+from pagedspec.engine.worker.spans import Span
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:

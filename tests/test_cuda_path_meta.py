@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from engine.draws import sample_from_probs
-from engine.model_loader import default_dtype, model_kv_shape
-from engine.model_runner import ModelRunner
-from engine.models import get_model_class
-from engine.sampler import SamplingBatch, processed_probs
-from engine.spans import Span
-from kernels import triton_attention, triton_kv_write
-from memory import allocate_kv_caches
+from pagedspec.engine.loader.model_loader import default_dtype, model_kv_shape
+from pagedspec.engine.models import get_model_class
+from pagedspec.engine.sample.draws import sample_from_probs
+from pagedspec.engine.sample.sampler import SamplingBatch, processed_probs
+from pagedspec.engine.worker.model_runner import ModelRunner
+from pagedspec.engine.worker.spans import Span
+from pagedspec.kernels import triton_attention, triton_kv_write
+from pagedspec.memory import allocate_kv_caches
 
 META = torch.device("meta")
 CONFIGS = Path(__file__).parent.parent / "benchmarks" / "model_configs"
@@ -129,7 +129,7 @@ def test_cuda_path_on_meta(stubs, shape):
         width = max(len(s.block_table) for s in spans)
         _expect(stubs, config, dtype, spans, width)
         before = {k: len(s.launches) for k, s in stubs.items()}
-        logits = runner.forward(spans)
+        logits = runner.forward(spans).logits
         rows = sum(s.num_logits for s in spans)
         assert logits.device == META and logits.shape == (rows, config.vocab_size)
         assert logits.dtype == torch.float32

@@ -9,9 +9,9 @@ import torch
 from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM
 
-import engine.default_model
-from engine.default_model import INSTALL_COMMAND, default_gguf_path
-from engine.model_loader import LoadedModel, load_model
+import pagedspec.engine.loader.default_model
+from pagedspec.engine.loader.default_model import INSTALL_COMMAND, default_gguf_path
+from pagedspec.engine.loader.model_loader import LoadedModel, load_model
 
 PROMPTS = [
     "The capital of France is",
@@ -58,7 +58,7 @@ def test_first_use_converts_into_the_cache_and_later_loads_reuse_it(ours, cache_
     def no_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(engine.default_model, "convert_gguf", no_conversion)
+    monkeypatch.setattr(pagedspec.engine.loader.default_model, "convert_gguf", no_conversion)
     again = load_model(None, dtype="float32", device="cpu", load_format="dummy")
     assert again.path == ours.path and again.tokenizer is not None
 

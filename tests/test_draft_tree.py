@@ -1,4 +1,4 @@
-"""Draft trees (engine.spec_decode.tree): shapes, slots, the config, leaf drafting and the
+"""Draft trees (pagedspec.engine.spec_decode.tree): shapes, slots, the config, leaf drafting and the
 manager's slot split. Their verification and KV are tested end to end in test_eagle (greedy
 output, logprobs, the head's features after a leaf) and test_spec_distribution (the law)."""
 
@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.sampling_params import SamplingParams
-from engine.spans import Span
-from engine.spec_decode.chain import chain_drafts
-from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.proposers import Proposal
-from engine.spec_decode.speculation import Speculation
-from engine.spec_decode.tree import DraftTree, tree_slots
+from pagedspec.engine.config import EngineConfig, SpeculativeConfig
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.spec_decode.chain import chain_drafts
+from pagedspec.engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.proposers import Proposal
+from pagedspec.engine.spec_decode.speculation import Speculation
+from pagedspec.engine.spec_decode.tree import DraftTree, tree_slots
+from pagedspec.engine.worker.spans import Span
 
 
 def test_a_tree_is_its_chain_then_leaves_off_the_chain():

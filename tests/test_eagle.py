@@ -10,13 +10,13 @@ import torch
 from conftest import build_random_eagle_head
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.models.eagle import SHORT_FEED
-from engine.models.quant import dequantize_q8_0, quantize_q8_0
-from engine.spans import Span
-from engine.spec_decode.eagle_format import load_head
-from engine.spec_decode.train_eagle.head import EagleHead as ReferenceHead
-from kernels import cpu_extension
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.models.eagle import SHORT_FEED
+from pagedspec.engine.models.quant import dequantize_q8_0, quantize_q8_0
+from pagedspec.engine.spec_decode.eagle_format import load_head
+from pagedspec.engine.tools.train_eagle.head import EagleHead as ReferenceHead
+from pagedspec.engine.worker.spans import Span
+from pagedspec.kernels import cpu_extension
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -246,8 +246,9 @@ def test_draft_steps_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, h
             proposer.head.layer_stack = None
 
         def recording(spans, **kw):
-            outputs.append(forward(spans, **kw))
-            return outputs[-1]
+            out = forward(spans, **kw)
+            outputs.append((out.logits, out.hidden))
+            return out
 
         proposer.runner.forward = recording
         drafted(llm, 0)
@@ -286,7 +287,8 @@ def test_short_feeds_in_the_layer_stack_give_the_python_paths_bits(tiny_llama, h
                 cache.copy_(value)
         if not stack:
             head_module.layer_stack = None
-        logits, h = runner.forward(spans, features=features, return_hidden=True)
+        out = runner.forward(spans, features=features, return_hidden=True)
+        logits, h = out.logits, out.hidden
         runs.append((logits, h, [tuple(c.clone() for c in caches) for caches in runner.kv_caches]))
     assert ran == [1]  # the stack ran the first time only
     (logits, h, kv), (want_logits, want_h, want_kv) = runs

@@ -4,9 +4,9 @@ hits, n > 1 and stop strings; and it drafts well enough to be accepted."""
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.models.linear import Linear
-from engine.models.quant import quantized_weight
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.models.linear import Linear
+from pagedspec.engine.models.quant import quantized_weight
 
 PROMPTS = [
     "The capital of France is",

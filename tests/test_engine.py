@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.config import SCHEDULING_POLICIES
-from scheduler.scheduler import POLICIES
+from pagedspec import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedspec.engine.config import SCHEDULING_POLICIES
+from pagedspec.scheduler.scheduler import POLICIES
 
 PROMPTS = [
     "The quick brown fox",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, sample_jobs
-from engine.sample_jobs import SampleJob
+from pagedspec import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedspec.engine.sample import sample_jobs
+from pagedspec.engine.sample.sample_jobs import SampleJob
+from pagedspec.engine.worker.model_runner import ForwardOutput
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -70,10 +72,10 @@ def test_finished_text_keeps_text_held_back_for_an_incomplete_character(tiny_lla
     )
     forward = engine.runner.forward
 
-    def forced(spans):  # the model always prefers `token`
-        logits = forward(spans).clone()
+    def forced(spans, **options):  # the model always prefers `token`
+        logits = forward(spans, **options).logits.clone()
         logits[:, token] += 1e4
-        return logits
+        return ForwardOutput(logits)
 
     engine.runner.forward = forced
     engine.add_request("r", "one two", SamplingParams(temperature=0, max_tokens=2))

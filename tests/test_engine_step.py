@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedspec import LLM, EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
@@ -97,10 +97,10 @@ def test_a_commit_failure_on_a_finishing_step_aborts_its_request_and_frees_its_b
     engine = engine_for(tiny_llama)
     commit = engine.spec.commit
 
-    def failing(round, i, record, *args):
+    def failing(round, verified, i, record, *args):
         if record.request.request_id == "bad" and record.finished:
             raise RuntimeError("injected commit failure")
-        return commit(round, i, record, *args)
+        return commit(round, verified, i, record, *args)
 
     engine.spec.commit = failing
     final = run(
@@ -129,11 +129,11 @@ def test_a_failure_nobody_causes_alone_moves_no_sequence(tiny_llama, baseline):
     engine = engine_for(tiny_llama)
     forward, calls = engine.runner.forward, []
 
-    def flaky(spans):
+    def flaky(spans, **options):
         calls.append(len(spans))
         if len(calls) == 3:
             raise RuntimeError("injected transient failure")
-        return forward(spans)
+        return forward(spans, **options)
 
     engine.runner.forward = flaky
     for i, p in enumerate(PROMPTS):
@@ -247,12 +247,12 @@ def test_draft_model_never_writes_a_registered_block_and_prefills_in_chunks(tiny
     pool = engine.block_manager._pool
     largest = []
 
-    def checked(spans):
+    def checked(spans, **options):
         largest.append(sum(len(s.token_ids) for s in spans))
         for s in spans:
             for pos in range(s.start, s.start + len(s.token_ids)):
                 assert not pool.is_registered(s.block_table[pos // block_size])
-        return forward(spans)
+        return forward(spans, **options)
 
     runner.forward = checked
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
@@ -278,10 +278,10 @@ def test_an_abort_output_survives_a_step_that_raises(tiny_llama, baseline):
     engine.abort_request("0")
     forward = engine.runner.forward
 
-    def batch_fails(spans):
+    def batch_fails(spans, **options):
         if len(spans) > 1:
             raise RuntimeError("injected transient failure")
-        return forward(spans)
+        return forward(spans, **options)
 
     engine.runner.forward = batch_fails
     with pytest.raises(RuntimeError, match="transient"):
@@ -308,8 +308,9 @@ def test_a_request_of_n_samples_holds_n_seats_once_forked(tiny_llama):
 
 
 def test_a_step_runs_with_the_cycle_collector_paused(tiny_llama):
-    """engine.gc_pause: the collector is off inside a step (so it never walks the step's live
-    objects), back on when the step returns or raises, and left off where the caller had it off."""
+    """pagedspec.engine.core.gc_pause: the collector is off inside a step (so it never walks the
+    step's live objects), back on when the step returns or raises, and left off where the caller had
+    it off."""
     engine = engine_for(tiny_llama)
     forward, seen = engine.runner.forward, []
 

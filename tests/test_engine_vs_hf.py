@@ -19,7 +19,7 @@ from conftest import build_random_llama
 from transformers import LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
-from engine import LLM, SamplingParams
+from pagedspec import LLM, SamplingParams
 
 VOCAB = 128
 MAX_TOKENS = 20

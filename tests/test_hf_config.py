@@ -1,16 +1,22 @@
-"""engine.models.hf_config against transformers' own config classes: every field the engine
-reads, and what the engine derives from them (head dim, window, rope frequencies, EOS ids)."""
+"""pagedspec.engine.models.hf_config against transformers' own config classes: every field the
+engine reads, and what the engine derives from them (head dim, window, rope frequencies, EOS
+ids)."""
 
 import pytest
 from loading_imports import CONFIG_CHAIN, imported_after_loading
 from transformers import AutoConfig
 
-from engine.build import _eos_token_ids
-from engine.models import SUPPORTED_MODEL_TYPES
-from engine.models.hf_config import _CLASSES, _DEFAULTS, model_config_from_dict, read_model_config
-from engine.models.layers import RotaryEmbedding, _rope_parameters
-from engine.models.llama import head_dim_of, sliding_window_of
-from engine.spec_decode import eagle_format
+from pagedspec.engine.core.build import _eos_token_ids
+from pagedspec.engine.models import SUPPORTED_MODEL_TYPES
+from pagedspec.engine.models.hf_config import (
+    _CLASSES,
+    _DEFAULTS,
+    model_config_from_dict,
+    read_model_config,
+)
+from pagedspec.engine.models.layers import RotaryEmbedding, _rope_parameters
+from pagedspec.engine.models.llama import head_dim_of, sliding_window_of
+from pagedspec.engine.spec_decode import eagle_format
 
 FIELDS = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

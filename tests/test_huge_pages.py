@@ -1,5 +1,5 @@
-"""engine.models.huge_pages: the loader makes the packs in one MADV_HUGEPAGE mapping, back to
-back from a 2 MB boundary, with no float weight stranded in it, and the same bits as without
+"""pagedspec.engine.models.huge_pages: the loader makes the packs in one MADV_HUGEPAGE mapping, back
+to back from a 2 MB boundary, with no float weight stranded in it, and the same bits as without
 it. Huge pages are forced "available": where THP is off the kernel ignores the advice, and
 where the packs go is what is under test."""
 
@@ -13,10 +13,10 @@ from test_layer_stack import PRECISIONS, assert_same_bits, load
 from test_models import COMMON, SCHEDULE, run_schedule, save_tiny
 from transformers import LlamaConfig
 
-from engine.models import huge_pages
-from engine.models.linear import packed_weight
-from engine.models.quant import quantized_weight
-from kernels import cpu_extension
+from pagedspec.engine.models import huge_pages
+from pagedspec.engine.models.linear import packed_weight
+from pagedspec.engine.models.quant import quantized_weight
+from pagedspec.kernels import cpu_extension
 
 pytestmark = [
     pytest.mark.skipif(

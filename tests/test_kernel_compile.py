@@ -1,7 +1,7 @@
 """Every Triton kernel variant the engine can launch compiles for sm_80 (A100) and sm_90
 (H100/H200) without spilling registers (tree-mask variants: a few bytes, TREE_STACK_LIMIT) and
 within 99 KB of shared memory: compiled on the CPU by
-Triton's NVIDIA backend and its bundled ptxas (kernels.compile_check), no GPU needed.
+Triton's NVIDIA backend and its bundled ptxas (pagedspec.kernels.compile_check), no GPU needed.
 
 Slow: about 300 compiles (~3 minutes of CPU on 2 cores).
 """
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-import kernels
-from kernels import compile_check
-from kernels.triton_attention import TREE_STACK_LIMIT
+from pagedspec import kernels
+from pagedspec.kernels import compile_check
+from pagedspec.kernels.triton_attention import TREE_STACK_LIMIT
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_every_variant_compiles_without_spills_within_99kb():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--archs", "80,90"],
+        [sys.executable, "-m", "pagedspec.kernels.compile_check", "--archs", "80,90"],
         cwd=os.path.dirname(kernels.__path__[0]),
         env=env | {"TRITON_INTERPRET": "0"},
         capture_output=True,

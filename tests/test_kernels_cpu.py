@@ -1,7 +1,8 @@
-"""The C++ CPU kernel (backend "cpu") against kernels.reference computed in float64.
+"""The C++ CPU kernel (backend "cpu") against pagedspec.kernels.reference computed in float64.
 
-Problems come from kernels.testing.make_paged_problem, which poisons every cache slot no sequence
-owns with NaN: a kernel that reads past seq_len or past a table row's used entries fails here.
+Problems come from pagedspec.kernels.testing.make_paged_problem, which poisons every cache slot no
+sequence owns with NaN: a kernel that reads past seq_len or past a table row's used entries fails
+here.
 """
 
 from pathlib import Path
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_attention, cpu_extension, reference
-from kernels.testing import ATTENTION_CASES, make_paged_problem
+from pagedspec import kernels
+from pagedspec.kernels import cpu_attention, cpu_extension, reference
+from pagedspec.kernels.testing import ATTENTION_CASES, make_paged_problem
 
 # Extra shapes for this kernel's own edges: more query rows per KV head than one work item holds
 # (32), head dims that are not a multiple of the SIMD width or of the 4-Vec accumulation runs,
@@ -285,7 +286,7 @@ def test_unbuildable_extension_warns_and_reports_unavailable(monkeypatch, caplog
         raise RuntimeError("g++ not found")
 
     monkeypatch.setattr(cpu_extension, "load", no_compiler)
-    with caplog.at_level("WARNING", logger="kernels.cpu_extension"):
+    with caplog.at_level("WARNING", logger="pagedspec.kernels.cpu_extension"):
         assert cpu_extension.available.__wrapped__() is False  # uncached: the real check
     assert "g++ not found" in caplog.text
 

@@ -1,5 +1,5 @@
-"""kernels.reference (the CPU serving path and the kernels' oracle) against a naive per-token loop,
-plus the KV-cache write, argument checks and backend dispatch."""
+"""pagedspec.kernels.reference (the CPU serving path and the kernels' oracle) against a naive
+per-token loop, plus the KV-cache write, argument checks and backend dispatch."""
 
 import os
 import subprocess
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.testing import make_paged_problem
+from pagedspec import kernels
+from pagedspec.kernels import reference
+from pagedspec.kernels.testing import make_paged_problem
 
 
 def naive_attention(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale):
@@ -229,11 +229,13 @@ def test_dispatch_backends_on_cpu(gen):
 
 def test_cpu_path_never_imports_triton_or_xformers():
     code = (
-        "import sys, torch, kernels\n"
-        "from kernels.testing import make_paged_problem\n"
+        "import sys, torch\n"
+        "from pagedspec import kernels\n"
+        "from pagedspec.kernels.testing import make_paged_problem\n"
         "p = make_paged_problem([1], [3], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4)\n"
         "kernels.paged_attention(*p.args(), 1.0)\n"
-        "assert 'xformers' not in sys.modules and 'kernels.triton_attention' not in sys.modules\n"
+        "assert 'xformers' not in sys.modules\n"
+        "assert 'pagedspec.kernels.triton_attention' not in sys.modules\n"
     )
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=os.path.dirname(kernels.__path__[0])

@@ -1,9 +1,9 @@
-"""Triton kernels against kernels.reference computed in float64.
+"""Triton kernels against pagedspec.kernels.reference computed in float64.
 
 Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before they
-are decorated, i.e. before kernels.triton_* is first imported. kernels.triton_setup does that by
-itself on CPU-only machines; it is repeated here so the module states its own precondition. On a
-CUDA machine nothing is set, the kernels compile, and the @gpu tests run at realistic sizes.
+are decorated, i.e. before kernels.triton_* is first imported. pagedspec.kernels.triton_setup does
+that by itself on CPU-only machines; it is repeated here so the module states its own precondition.
+On a CUDA machine nothing is set, the kernels compile, and the @gpu tests run at realistic sizes.
 """
 
 import os
@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference, triton_attention  # noqa: E402
-from kernels.testing import ATTENTION_CASES as CASES  # noqa: E402
-from kernels.testing import make_paged_problem  # noqa: E402
+from pagedspec import kernels  # noqa: E402
+from pagedspec.kernels import reference, triton_attention  # noqa: E402
+from pagedspec.kernels.testing import ATTENTION_CASES as CASES  # noqa: E402
+from pagedspec.kernels.testing import make_paged_problem  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # The small cases run in the interpreter on CPU-only machines and compiled where CUDA is present.
@@ -248,9 +248,10 @@ def test_gpu_write_kv_cache_matches_reference(dtype, cache_dtype, gen):
 _INTERPRETER_AFTER_TRITON = """
 import os, triton  # triton first, as transformers' Llama does, before TRITON_INTERPRET is set
 assert "TRITON_INTERPRET" not in os.environ
-import torch, kernels
-from kernels import reference
-from kernels.testing import make_paged_problem
+import torch
+from pagedspec import kernels
+from pagedspec.kernels import reference
+from pagedspec.kernels.testing import make_paged_problem
 p = make_paged_problem([1, 4], [20, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
 got = kernels.paged_attention(*p.args(), 0.5, backend="triton")
 exact = reference.paged_attention(*p.to(torch.float64).args(), 0.5)

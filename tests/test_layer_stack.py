@@ -1,5 +1,5 @@
-"""The one-call C++ decoder stack (engine.models.layer_stack) against the Python layer loop it
-replaces: the same kernels on the same arguments, so the same bits (torch.equal, not a
+"""The one-call C++ decoder stack (pagedspec.engine.models.layer_stack) against the Python layer
+loop it replaces: the same kernels on the same arguments, so the same bits (torch.equal, not a
 tolerance), and the Python loop wherever the stack would compute anything else."""
 
 import pytest
@@ -8,12 +8,12 @@ from paged_harness import PagedHarness
 from test_models import COMMON, SCHEDULE, run_schedule, save_tiny
 from transformers import LlamaConfig, Qwen3Config
 
-from engine import LLM, SamplingParams
-from engine.distributed.shard import TPShard
-from engine.model_loader import load_model
-from engine.models.layer_stack import LayerStack
-from engine.models.llama import LlamaModel
-from kernels import cpu_extension
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.distributed.shard import TPShard
+from pagedspec.engine.loader.model_loader import load_model
+from pagedspec.engine.models.layer_stack import LayerStack
+from pagedspec.engine.models.llama import LlamaModel
+from pagedspec.kernels import cpu_extension
 
 pytestmark = pytest.mark.skipif(
     not cpu_extension.available(), reason="the C++ CPU kernels cannot be built here"
@@ -158,10 +158,10 @@ def runner_hidden(
     model, tokens: list[int], capture: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Every token's hidden states from one ModelRunner prefill over a fresh paged KV cache."""
-    from engine.model_loader import model_kv_shape
-    from engine.model_runner import ModelRunner
-    from engine.spans import Span
-    from memory import allocate_kv_caches
+    from pagedspec.engine.loader.model_loader import model_kv_shape
+    from pagedspec.engine.worker.model_runner import ModelRunner
+    from pagedspec.engine.worker.spans import Span
+    from pagedspec.memory import allocate_kv_caches
 
     blocks = -(-len(tokens) // 4)
     caches = allocate_kv_caches(
@@ -169,7 +169,7 @@ def runner_hidden(
     )
     runner = ModelRunner(model, caches, "cpu", torch.device("cpu"))
     span = Span(tokens, 0, 1, list(reversed(range(blocks))))
-    return runner.forward([span], return_hidden=True, hidden_layers=capture)[1]
+    return runner.forward([span], return_hidden=True, hidden_layers=capture).hidden
 
 
 @pytest.mark.parametrize("capture", [(1,), (0, 1)])

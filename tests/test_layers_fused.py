@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models import layers, linear
-from kernels import cpu_extension
+from pagedspec.engine.models import layers, linear
+from pagedspec.kernels import cpu_extension
 
 
 def formula(monkeypatch, fn, *args):

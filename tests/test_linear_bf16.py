@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from conftest import build_random_llama
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.models import layers, linear
-from engine.models.linear import Embedding, Linear
-from kernels import cpu_extension
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.models import layers, linear
+from pagedspec.engine.models.linear import Embedding, Linear
+from pagedspec.kernels import cpu_extension
 
 pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="C++ extension not built")
 

@@ -16,16 +16,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import engine.default_model
-from engine import LLM, SamplingParams, model_loader
-from engine.default_model import convert_gguf
-from engine.gguf_loader import iter_gguf
-from engine.model_loader import load_model, resolve_dtype
-from engine.models.layers import RMSNorm
-from engine.models.linear import packed_weight
-from engine.models.quant import quantized_weight
-from engine.safetensors_loader import iter_safetensors
-from kernels import cpu_extension
+import pagedspec.engine.loader.default_model
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.loader import model_loader
+from pagedspec.engine.loader.default_model import convert_gguf
+from pagedspec.engine.loader.gguf_loader import iter_gguf
+from pagedspec.engine.loader.model_loader import load_model, resolve_dtype
+from pagedspec.engine.loader.safetensors_loader import iter_safetensors
+from pagedspec.engine.models.layers import RMSNorm
+from pagedspec.engine.models.linear import packed_weight
+from pagedspec.engine.models.quant import quantized_weight
+from pagedspec.kernels import cpu_extension
 
 Q = gguf.GGMLQuantizationType
 TINY = dict(
@@ -233,7 +234,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.default_model, "save_float32", killed)
+    monkeypatch.setattr(pagedspec.engine.loader.default_model, "save_float32", killed)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "cache" / "tiny"))
     assert os.listdir(tmp_path / "cache") == []
@@ -389,8 +390,8 @@ def test_loading_a_packed_model_peaks_at_about_one_copy_of_its_weights(tmp_path,
     script = (
         "import ctypes; assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0\n"
         "import sys, torch\n"
-        "from engine.model_loader import load_model\n"
-        "from kernels import cpu_extension\n"
+        "from pagedspec.engine.loader.model_loader import load_model\n"
+        "from pagedspec.kernels import cpu_extension\n"
         "def hwm():\n"
         "    status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
         "    return int(status['VmHWM'].split()[0]) * 1024\n"

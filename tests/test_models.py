@@ -13,10 +13,10 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.model_loader import load_model, model_kv_shape
-from engine.models import LlamaForCausalLM, get_model_class
-from engine.models.linear import Embedding, Linear
-from kernels import cpu_extension
+from pagedspec.engine.loader.model_loader import load_model, model_kv_shape
+from pagedspec.engine.models import LlamaForCausalLM, get_model_class
+from pagedspec.engine.models.linear import Embedding, Linear
+from pagedspec.kernels import cpu_extension
 
 VOCAB = 256
 COMMON = dict(

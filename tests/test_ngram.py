@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from engine.spec_decode import propose_ngram
-from engine.spec_decode.ngram import NgramIndex
+from pagedspec.engine.spec_decode import propose_ngram
+from pagedspec.engine.spec_decode.ngram import NgramIndex
 
 
 def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -70,7 +70,7 @@ def test_gguf_files_are_cached_per_source_and_type(tmp_path):
 
 
 def test_the_shipped_file_is_used_as_is_at_its_own_type():
-    from engine.default_model import default_gguf_path
+    from pagedspec.engine.loader.default_model import default_gguf_path
 
     assert llamacpp.file_type(default_gguf_path()) == "Q4_1"
     assert llamacpp.gguf_file("Q4_1") == default_gguf_path()  # no quantizer, no llama_cpp

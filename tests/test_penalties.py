@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.penalties import TokenHistory, apply_penalties
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.sample.penalties import TokenHistory, apply_penalties
 
 
 def naive_penalties(

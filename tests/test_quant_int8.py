@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.default_model import default_model_dir
-from engine.gguf_loader import iter_gguf
-from engine.model_loader import load_model
-from engine.models import layers, linear
-from engine.models.quant import dequantize_q8_0, quantize_q8_0, quantized_weight
-from kernels import cpu_extension
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.config import EngineConfig
+from pagedspec.engine.loader.default_model import default_model_dir
+from pagedspec.engine.loader.gguf_loader import iter_gguf
+from pagedspec.engine.loader.model_loader import load_model
+from pagedspec.engine.models import layers, linear
+from pagedspec.engine.models.quant import dequantize_q8_0, quantize_q8_0, quantized_weight
+from pagedspec.kernels import cpu_extension
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 PROMPTS = test_default_model.PROMPTS  # the prompts checked token for token against HF

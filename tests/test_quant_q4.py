@@ -18,15 +18,15 @@ from test_quant_int8 import (
     weight,
 )
 
-from engine import LLM
-from engine.config import EngineConfig
-from engine.default_model import default_gguf_path, default_model_dir
-from engine.gguf_loader import gguf_to_hf_name, unpermute_qk
-from engine.model_loader import load_model
-from engine.models import layers, linear
-from engine.models.quant import quantize_q8_0, quantized_weight
-from engine.models.quant_q4 import dequantize_q4_1, quantize_q4_1
-from kernels import cpu_extension
+from pagedspec import LLM
+from pagedspec.engine.config import EngineConfig
+from pagedspec.engine.loader.default_model import default_gguf_path, default_model_dir
+from pagedspec.engine.loader.gguf_loader import gguf_to_hf_name, unpermute_qk
+from pagedspec.engine.loader.model_loader import load_model
+from pagedspec.engine.models import layers, linear
+from pagedspec.engine.models.quant import quantize_q8_0, quantized_weight
+from pagedspec.engine.models.quant_q4 import dequantize_q4_1, quantize_q4_1
+from pagedspec.kernels import cpu_extension
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -1,11 +1,13 @@
 """README.md stays a user's page whose commands run as written, and the docs' links hold.
 
 Every command in README.md's shell blocks (```bash, ```sh, ```shell, ```console) and every
-inline `python -m ...` or `make ...` span is checked without loading a model:
+inline `pagedspec ...`, `python -m ...` or `make ...` span is checked without loading a model:
 
-- a `--help` line runs as written (``sys.executable`` for ``python``) and must exit 0;
-- any other line of a module with a known parser (``PARSERS``) is parsed by it: its flags must
-  exist and take the values shown (an inline span that only names a module is not a command);
+- a `--help` line runs as written (``sys.executable -m pagedspec`` for ``pagedspec``) and must
+  exit 0;
+- any other line of a subcommand (``pagedspec SUB``, ``python -m pagedspec SUB``, or
+  ``python -m pagedspec.serve``) is parsed by that subcommand's parser (``PARSERS``): its flags
+  must exist and take the values shown (an inline span that only names a command is not one);
 - any other module must exist, and a make target must be one the Makefile defines;
 - a command of any other program fails until a check is added for it.
 
@@ -35,35 +37,37 @@ MAX_README_LINES = 230
 
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-INLINE = re.compile(r"`((?:python3? -m|make) [^`]+)`")
+INLINE = re.compile(r"`((?:python3? -m|make|pagedspec) [^`]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _generate_parser():
-    from engine.generate import build_parser
+    from pagedspec.engine.entrypoints.generate import build_parser
 
     return build_parser()
 
 
 def _serve_parser():
-    from engine.serve.cli import build_parser
+    from pagedspec.engine.serve.cli import build_parser
 
     return build_parser()[0]
 
 
 def _train_eagle_parser():
-    from engine.spec_decode.train_eagle.cli import build_parser
+    from pagedspec.engine.tools.train_eagle.cli import build_parser
 
     return build_parser()
 
 
-# Modules whose command lines are parsed (flags only: no model, path or input file is read).
+# Subcommands whose command lines are parsed (flags only: no model, path or input file is read).
 PARSERS: dict[str, Callable] = {
-    "engine.generate": _generate_parser,
-    "engine.serve": _serve_parser,
-    "engine.spec_decode.train_eagle": _train_eagle_parser,
+    "generate": _generate_parser,
+    "serve": _serve_parser,
+    "train-eagle": _train_eagle_parser,
 }
+# `python -m MODULE` spellings of a subcommand
+MODULE_COMMANDS = {"pagedspec.serve": "serve"}
 
 
 def _fenced(text: str) -> list[tuple[str, str]]:
@@ -93,8 +97,8 @@ def _commands(text: str) -> list[str]:
 
 
 def _is_name(line: str) -> bool:
-    """An inline `python -m MODULE` with nothing after it names the module, as prose does
-    ("`python -m engine.generate` answers a batch of prompts"); it is not a command line."""
+    """An inline `pagedspec SUB` with nothing after it names the command, as prose does
+    ("`pagedspec generate` answers a batch of prompts"); it is not a command line."""
     return line in INLINE_NAMES
 
 
@@ -118,14 +122,27 @@ def _make_targets() -> set[str]:
     return set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", makefile, re.M))
 
 
-def _parse(module: str, args: list[str]) -> None:
-    parser = PARSERS[module]()
+def _subcommand(words: list[str]) -> tuple[str, list[str]] | None:
+    """(subcommand, its arguments) of `pagedspec SUB ...`, `python -m pagedspec SUB ...` or
+    `python -m pagedspec.serve ...`; None for any other command."""
+    if words[:1] == ["pagedspec"] and len(words) > 1:
+        return words[1], words[2:]
+    if words[:1] in (["python"], ["python3"]) and words[1:2] == ["-m"] and len(words) > 2:
+        if words[2] == "pagedspec" and len(words) > 3:
+            return words[3], words[4:]
+        if words[2] in MODULE_COMMANDS:
+            return MODULE_COMMANDS[words[2]], words[3:]
+    return None
+
+
+def _parse(command: str, args: list[str]) -> None:
+    parser = PARSERS[command]()
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             parser.parse_args(args)
     except SystemExit as exc:
-        pytest.fail(f"python -m {module} {shlex.join(args)}: exit {exc.code}\n{err.getvalue()}")
+        pytest.fail(f"pagedspec {command} {shlex.join(args)}: exit {exc.code}\n{err.getvalue()}")
 
 
 README_TEXT = README.read_text()
@@ -133,14 +150,15 @@ README_COMMANDS = _commands(README_TEXT)
 INLINE_NAMES = {
     line
     for line in _normalized(_inline_lines(README_TEXT))
-    if line not in _normalized(_shell_lines(README_TEXT)) and len(shlex.split(line)) == 3
+    if line not in _normalized(_shell_lines(README_TEXT))
+    and len(shlex.split(line)) == (2 if line.startswith("pagedspec ") else 3)
 }
 
 
 def test_readme_shows_commands():
     """The extraction found what it should: the --help lines run below are not vacuous."""
     helps = [c for c in README_COMMANDS if "--help" in shlex.split(c)]
-    assert any("engine.serve" in c for c in helps) and any("engine.generate" in c for c in helps)
+    assert "pagedspec serve --help" in helps and "pagedspec generate --help" in helps
     assert any(c.startswith("make ") for c in README_COMMANDS)
 
 
@@ -153,15 +171,22 @@ def test_readme_command_runs_as_written(line):
         missing = [t for t in args if not t.startswith("-") and t not in _make_targets()]
         assert not missing, f"{line!r}: no Makefile target {missing}"
         return
-    if program not in ("python", "python3") or args[:1] != ["-m"] or len(args) < 2:
+    sub = _subcommand(words)
+    if sub is not None:
+        command, module_args = sub
+        assert command in PARSERS or command == "bench", f"{line!r}: no command {command!r}"
+        argv = ["-m", "pagedspec", command, *module_args]
+    elif program in ("python", "python3") and args[:1] == ["-m"] and len(args) >= 2:
+        command, module_args = None, args[2:]
+        assert _module_exists(args[1]), f"{line!r}: no module {args[1]}"
+        argv = args
+    else:
         pytest.fail(f"{line!r}: README shows a command this test cannot check; add a check")
-    module, module_args = args[1], args[2:]
-    assert _module_exists(module), f"{line!r}: no module {module}"
     if "--help" in module_args or "-h" in module_args:
         # argparse prints help as soon as it meets --help, before it would refuse an unknown
         # flag: the flags around it are parsed on their own below
         proc = subprocess.run(
-            [sys.executable, "-m", module, *module_args],
+            [sys.executable, *argv],
             cwd=ROOT,
             env={**os.environ, **env},
             capture_output=True,
@@ -173,21 +198,21 @@ def test_readme_command_runs_as_written(line):
         module_args = [a for a in module_args if a not in ("--help", "-h")]
         if not module_args:
             return
-    if module in PARSERS and not _is_name(line):
-        _parse(module, module_args)
+    if command in PARSERS and not _is_name(line):
+        _parse(command, module_args)
 
 
 def test_readme_python_blocks_compile_and_import_public_names():
-    import engine
+    import pagedspec
 
     blocks = [body for lang, body in _fenced(README_TEXT) if lang == "python"]
     assert blocks
     for body in blocks:
         tree = ast.parse(body)  # a SyntaxError names the line
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "engine":
+            if isinstance(node, ast.ImportFrom) and node.module == "pagedspec":
                 names = {alias.name for alias in node.names}
-                assert names <= set(engine.__all__), names - set(engine.__all__)
+                assert names <= set(pagedspec.__all__), names - set(pagedspec.__all__)
 
 
 def test_readme_length():

@@ -4,7 +4,8 @@ import pytest
 import torch
 from stats import chi_square
 
-from engine.spec_decode import rejection, rejection_sample
+from pagedspec.engine.sample import rejection
+from pagedspec.engine.spec_decode import rejection_sample
 
 
 def dirichlet(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from stats import chi_square
 
-from engine.draws import inverse_cdf, sample_from_probs
-from engine.raw_logprobs import token_logprobs
-from engine.sampler import Sampler, SamplingBatch, argmax_rows, processed_probs
+from pagedspec.engine.sample.draws import inverse_cdf, sample_from_probs
+from pagedspec.engine.sample.raw_logprobs import token_logprobs
+from pagedspec.engine.sample.sampler import Sampler, SamplingBatch, argmax_rows, processed_probs
 
 
 def naive_probs(logits: list[float], t: float, k: int, p: float, m: float) -> list[float]:
@@ -205,7 +205,7 @@ def test_padding_lanes_and_zero_weights_are_never_sampled():
 def cdf_levels(request, monkeypatch):
     """Run an inverse_cdf test through each of its paths, whatever the size of its weights."""
     limit = 0 if request.param == "two levels" else 1 << 62
-    monkeypatch.setattr("engine.draws._ONE_LEVEL_MAX_WEIGHTS", limit)
+    monkeypatch.setattr("pagedspec.engine.sample.draws._ONE_LEVEL_MAX_WEIGHTS", limit)
 
 
 def batched_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

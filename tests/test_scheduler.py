@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from memory import BlockManager
-from scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from pagedspec.memory import BlockManager
+from pagedspec.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=16, caching=False, **cfg):

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server, for real: ``python -m engine.serve`` in a subprocess on a free
+"""The OpenAI-compatible server, for real: ``python -m pagedspec.serve`` in a subprocess on a free
 127.0.0.1 port with a tiny random model, driven by the official ``openai`` client and by plain
 HTTP (httpx). Greedy answers are compared token for token with the offline ``LLM``.
 
@@ -26,7 +26,7 @@ import pytest
 from conftest import build_tiny_llama
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from pagedspec import LLM, SamplingParams
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -85,10 +85,10 @@ def llm(model_dir) -> LLM:
 
 
 def start_server(model_dir: str, *flags: str, stderr: int | None = None) -> Server:
-    """``python -m engine.serve`` with ``flags`` on a free port, once its /health answers."""
+    """``python -m pagedspec.serve`` with ``flags`` on a free port, once its /health answers."""
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "engine.serve", "--model", model_dir, "--port", str(port),
+        sys.executable, "-m", "pagedspec.serve", "--model", model_dir, "--port", str(port),
         "--api-key", API_KEY, "--served-model-name", MODEL, "--num-kv-blocks", "1024",
         "--log-level", "warning", *flags,
     ]  # fmt: skip

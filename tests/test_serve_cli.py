@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.serve.cli import build_parser, parse_args, speculative_dest
+from pagedspec.engine.config import EngineConfig, SpeculativeConfig
+from pagedspec.engine.serve.cli import build_parser, parse_args, speculative_dest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,11 +91,12 @@ def test_help_and_flag_errors_do_not_import_torch():
     """The scripts parse and check their flags before torch and the engine load (seconds)."""
     code = (
         "import sys\n"
-        "import engine.generate, engine.serve.__main__ as serve\n"
-        "from engine.serve.cli import build_parser\n"
-        "build_parser()[0].format_help(); engine.generate.build_parser().format_help()\n"
+        "import pagedspec.engine.serve.__main__ as serve\n"
+        "from pagedspec.engine.entrypoints import generate\n"
+        "from pagedspec.engine.serve.cli import build_parser\n"
+        "build_parser()[0].format_help(); generate.build_parser().format_help()\n"
         "assert serve.main(['--max-num-seqs', '0']) == 2\n"
-        "assert engine.generate.main(['--prompt', 'hi', '--temperature', '-1']) == 2\n"
+        "assert generate.main(['--prompt', 'hi', '--temperature', '-1']) == 2\n"
         "print('torch' in sys.modules)\n"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -9,10 +9,10 @@ import pytest
 from conftest import build_tiny_llama
 from fastapi.testclient import TestClient
 
-from engine import EngineConfig, LLMEngine
-from engine.distributed.comm import WorkerError
-from engine.serve.app import create_app
-from engine.serve.async_engine import AsyncEngine
+from pagedspec import EngineConfig, LLMEngine
+from pagedspec.engine.distributed.comm import WorkerError
+from pagedspec.engine.serve.app import create_app
+from pagedspec.engine.serve.async_engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def test_lost_worker_is_a_json_error_then_the_server_stops_serving(model_dir):
 def test_auto_tool_choice_parses_hermes_style_calls():
     """ "auto": calls written as <tool_call>{...}</tool_call> become tool_calls (unknown names
     and broken JSON stay text); the rest is the content."""
-    from engine.serve.protocol import ChatCompletionRequest
-    from engine.serve.tools import tool_calls
+    from pagedspec.engine.serve.protocol import ChatCompletionRequest
+    from pagedspec.engine.serve.tools import tool_calls
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
@@ -109,8 +109,8 @@ def test_a_constraint_compiles_off_the_engine_thread(model_dir):
 def test_an_echo_of_a_prompt_cut_short_has_none_for_the_logprobs_it_lacks():
     """A request aborted before its prompt was done (a drain's abort_all) has fewer prompt
     logprobs than prompt tokens: the echo lists None for the rest instead of failing."""
-    from engine.outputs import RequestOutput
-    from engine.serve.completions import _prompt_entries
+    from pagedspec.engine.outputs import RequestOutput
+    from pagedspec.engine.serve.completions import _prompt_entries
 
     cut = RequestOutput("r", None, [5, 6, 7, 8], [], True, prompt_logprobs=[None, {6: -1.0}])
     assert _prompt_entries(cut) == [None, {6: -1.0}, None, None]

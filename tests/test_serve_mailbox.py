@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.serve.async_engine import OutputMailbox
+from pagedspec.engine.outputs import CompletionOutput, RequestOutput
+from pagedspec.engine.serve.async_engine import OutputMailbox
 
 
 def output(request_id: str, num_tokens: int, finished: bool = False) -> RequestOutput:

@@ -1,4 +1,4 @@
-"""The soak, short (~30-60 s): a real ``python -m engine.serve`` subprocess with a tiny random
+"""The soak, short (~30-60 s): a real ``python -m pagedspec.serve`` subprocess with a tiny random
 model under mixed load, faults and invalid requests, then every check of ``benchmarks.soak``.
 Its pure parts (the plan and the verdicts) are checked without a server."""
 
@@ -80,7 +80,9 @@ def test_verdicts_catch_each_failure():
     assert failed(code=-15) == ["sigterm_exit_0"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.serve") is None, reason="needs the server")
+@pytest.mark.skipif(
+    importlib.util.find_spec("pagedspec.engine.serve") is None, reason="needs the server"
+)
 def test_short_soak_passes(tiny_llama, tmp_path):
     argv = ["--model", tiny_llama, "--num-requests", "80", "--duration", "20", "--max-tokens",
             "12", "--rss-every", "0.5", "--output-dir", str(tmp_path)]  # fmt: skip

@@ -25,8 +25,8 @@ from conftest import build_random_eagle_head, build_random_llama
 from stats import chi_square_test
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.config import METHOD_DEFAULTS
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine.config import METHOD_DEFAULTS
 
 VOCAB = 8
 PROMPT = [1, 5, 3, 1, 5, 3, 7]  # repeats, so n-gram lookup finds drafts

@@ -10,14 +10,14 @@ import torch
 from conftest import build_random_eagle_head, build_random_llama, build_tiny_llama
 from transformers import LlamaForCausalLM
 
-from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.config import METHOD_DEFAULTS
-from engine.penalties import TokenHistory
-from engine.spans import Span
-from engine.spec_decode.backoff import DraftBackoff
-from engine.spec_decode.chain import chain_drafts, draw_drafts
-from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.proposers import NgramProposer, Proposal
+from pagedspec import LLM, SamplingParams, SpeculativeConfig
+from pagedspec.engine.config import METHOD_DEFAULTS
+from pagedspec.engine.sample.penalties import TokenHistory
+from pagedspec.engine.spec_decode.backoff import DraftBackoff
+from pagedspec.engine.spec_decode.chain import chain_drafts, draw_drafts
+from pagedspec.engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.proposers import NgramProposer, Proposal
+from pagedspec.engine.worker.spans import Span
 
 PROMPTS = [
     "one two three four five one two three four five one two three",

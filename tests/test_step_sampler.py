@@ -4,11 +4,11 @@ sampler, and sampled drafts handed to rejection_sample row for row."""
 import pytest
 import torch
 
-from engine.sample_jobs import SampleJob
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection import rejection_sample
-from engine.step_sampler import StepSampler
+from pagedspec.engine.sample.rejection import rejection_sample
+from pagedspec.engine.sample.sample_jobs import SampleJob
+from pagedspec.engine.sample.sampler import Sampler
+from pagedspec.engine.sample.step_sampler import StepSampler
+from pagedspec.engine.sampling_params import SamplingParams
 
 EOS = 3
 

@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import build_random_eagle_head
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from pagedspec import LLM, SamplingParams, StructuredOutputsParams
 
 CHOICES = ["yes", "no", "not sure"]
 REGEX = r"[0-9]{3}-[a-z]{2}"
@@ -164,7 +164,7 @@ def test_the_constraint_wins_over_min_tokens_and_stop_token_bans(llm, temperatur
 def test_a_matcher_walks_past_the_eos_that_ends_a_complete_constraint(llm):
     """Verification may emit a constraint's last token and then EOS (a draft-tree leaf's row
     follows both): a copy walks past them; anything else after the end is refused."""
-    from engine.grammar import advanced
+    from pagedspec.engine.sample.grammar import advanced
 
     engine = llm.llm_engine
     eos = engine.outputs.eos_token_ids

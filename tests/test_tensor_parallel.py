@@ -17,10 +17,10 @@ from conftest import build_tiny_llama
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.default_model import default_gguf_path
-from engine.distributed import comm
-from engine.distributed.group import WorkerError
+from pagedspec import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedspec.engine.distributed import comm
+from pagedspec.engine.loader.default_model import default_gguf_path
+from pagedspec.engine.worker.tp_group import WorkerError
 
 # 59 tokens of the tiny tokenizer: three full KV blocks the prompts share (prefix-cache hits).
 SHARED = "Tensor parallel ranks split every layer; the scheduler stays on rank zero. "

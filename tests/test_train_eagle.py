@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.spec_decode import eagle_format
-from engine.spec_decode.round import NoSpeculation
-from engine.spec_decode.train_eagle import cli, data, features, losses, magpie, prompts
-from engine.spec_decode.train_eagle.batches import choose_draft_vocab, split, target_to_draft
-from engine.spec_decode.train_eagle.head import EagleHead, shift_right, step_mask
-from engine.spec_decode.train_eagle.prompts import make_prompts
+from pagedspec.engine.sample.round import NoSpeculation
+from pagedspec.engine.spec_decode import eagle_format
+from pagedspec.engine.tools.train_eagle import cli, data, features, losses, magpie, prompts
+from pagedspec.engine.tools.train_eagle.batches import choose_draft_vocab, split, target_to_draft
+from pagedspec.engine.tools.train_eagle.head import EagleHead, shift_right, step_mask
+from pagedspec.engine.tools.train_eagle.prompts import make_prompts
 
 TINY = LlamaConfig(
     vocab_size=100, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -286,8 +286,8 @@ def test_stage_1_captures_the_features_stage_2_would_compute(tiny_llama, tmp_pat
 def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
     """Prompt chunks, decode steps, and a preempted sequence's recomputation: each position's
     features are those of its last computation, equal to a teacher-forced prefill's."""
-    from engine import LLM, SamplingParams
-    from engine.spec_decode.train_eagle.capture import generate_with_features
+    from pagedspec import LLM, SamplingParams
+    from pagedspec.engine.tools.train_eagle.capture import generate_with_features
 
     llm = LLM(tiny_llama, num_kv_blocks=12, max_num_batched_tokens=24, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
@@ -309,8 +309,8 @@ def test_captured_features_survive_chunked_prefill_and_preemption(tiny_llama):
 def test_a_failed_capture_leaves_the_engine_as_it_was(tiny_llama, monkeypatch):
     """A step that raises mid-capture: the engine gets its own speculation manager back, the
     capture's requests are aborted (no block held), and the engine answers normally after."""
-    from engine import LLM, SamplingParams
-    from engine.spec_decode.train_eagle.capture import generate_with_features
+    from pagedspec import LLM, SamplingParams
+    from pagedspec.engine.tools.train_eagle.capture import generate_with_features
 
     llm = LLM(tiny_llama, num_kv_blocks=32, enable_prefix_caching=False)
     engine, manager = llm.llm_engine, llm.llm_engine.spec
@@ -406,7 +406,7 @@ def test_magpie_prefix_is_how_every_real_prompt_starts(tiny_llama, tmp_path):
     the prefix leaves it out)."""
     from transformers import AutoTokenizer
 
-    from engine.llm import render_chat
+    from pagedspec.engine.entrypoints.llm import render_chat
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prefix = magpie.user_turn_prefix(tok)

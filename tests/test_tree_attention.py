@@ -4,9 +4,9 @@ explicit float64 oracle that attends each token to its context, its ancestors an
 import pytest
 import torch
 
-import kernels
-from kernels.testing import make_paged_problem
-from kernels.tree_mask import tree_mask_of
+from pagedspec import kernels
+from pagedspec.kernels.testing import make_paged_problem
+from pagedspec.kernels.tree_mask import tree_mask_of
 
 BACKENDS = ["torch", "cpu", "triton"]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import build_random_llama
 
-from engine import spans as spans_mod
-from engine.model_loader import load_model, model_kv_shape
-from engine.model_runner import ModelRunner
-from engine.spans import Span, tree_depths
-from memory import allocate_kv_caches
+from pagedspec.engine.loader.model_loader import load_model, model_kv_shape
+from pagedspec.engine.worker import spans as spans_mod
+from pagedspec.engine.worker.model_runner import ModelRunner
+from pagedspec.engine.worker.spans import Span, tree_depths
+from pagedspec.memory import allocate_kv_caches
 
 BLOCK = 4
 PARENTS = [-1, 0, 1, 2, 0, 0, 1, 4, 7]  # a chain of 4, siblings at depths 1 and 2, a branch
@@ -51,17 +51,21 @@ def test_tree_nodes_equal_their_paths_run_causally(model, backend, layer_stack):
     runner.forward([Span(prompt, 0, 0, table)])
     tree_span = Span(tree, len(prompt), len(tree), table, PARENTS)
     plain = Span([5, 6], 0, 2, list(range(8, 16)))  # a causal span beside the tree
-    logits, hidden = runner.forward([tree_span, plain], return_hidden=True, hidden_layers=(0,))
+    out = runner.forward([tree_span, plain], return_hidden=True, hidden_layers=(0,))
+    logits, hidden = out.logits, out.hidden
     try:
         for node in range(len(PARENTS)):
             ref = fresh_runner(model, backend)
             path = [tree[j] for j in path_to(node)]
-            want_logits, want_hidden = ref.forward(
+            want = ref.forward(
                 [Span(prompt + path, 0, 1, table)], return_hidden=True, hidden_layers=(0,)
             )
+            want_logits, want_hidden = want.logits, want.hidden
             torch.testing.assert_close(logits[node], want_logits[0], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(hidden[node], want_hidden[-1], atol=1e-4, rtol=1e-4)
-        alone = fresh_runner(model, backend).forward([Span([5, 6], 0, 2, list(range(8, 16)))])
+        alone = (
+            fresh_runner(model, backend).forward([Span([5, 6], 0, 2, list(range(8, 16)))]).logits
+        )
         torch.testing.assert_close(logits[len(tree) :], alone, atol=1e-4, rtol=1e-4)
     finally:
         if not layer_stack:

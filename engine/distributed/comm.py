@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.distributed.shard import TPShard
+from pagedspec.engine.distributed.shard import TPShard
 
 STARTUP_TIMEOUT = timedelta(minutes=10)
 STEP_TIMEOUT = timedelta(seconds=20)

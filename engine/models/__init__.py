@@ -3,8 +3,8 @@
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.models.attention import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
+from pagedspec.engine.models.attention import AttentionMetadata
+from pagedspec.engine.models.llama import LlamaForCausalLM
 
 # One implementation covers the whole Llama family; config flags select the differences.
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {

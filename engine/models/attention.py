@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
+from pagedspec import kernels
 
 
 @dataclass

@@ -2,8 +2,8 @@
 ``fc([embed(token_i); feature_{i-1}])``, a reduced-vocabulary LM head and its draft→target id map;
 an ``eagle3`` head also fuses several of the target's layers into its features (``fuse``).
 
-The file format and the head's definition are ``engine.spec_decode.eagle_format``'s; its KV lives
-in the same block tables as the target's (one layer), so it rolls back with them.
+The file format and the head's definition are ``pagedspec.engine.spec_decode.eagle_format``'s; its
+KV lives in the same block tables as the target's (one layer), so it rolls back with them.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.models.attention import AttentionMetadata
-from engine.models.layer_stack import LayerStack
-from engine.models.layers import RotaryEmbedding
-from engine.models.linear import Linear
-from engine.models.llama import LlamaDecoderLayer, head_dim_of
+from pagedspec import kernels
+from pagedspec.engine.models.attention import AttentionMetadata
+from pagedspec.engine.models.layer_stack import LayerStack
+from pagedspec.engine.models.layers import RotaryEmbedding
+from pagedspec.engine.models.linear import Linear
+from pagedspec.engine.models.llama import LlamaDecoderLayer, head_dim_of
 
 # Steps of up to this many tokens run the whole layer on every token in the C++ stack (see
 # EagleHead.forward); longer ones (a prompt's feed) only the logit rows, in Python.

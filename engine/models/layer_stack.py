@@ -22,18 +22,15 @@ last layer's weights change (as packing or quantising all of them does).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from engine.models.attention import AttentionMetadata, plan_step
-from engine.models.layers import RMSNorm, swiglu_fuses
-from engine.models.linear import Linear, packed_weight
-from engine.models.quant import quantized_weight
-from kernels import cpu_attention, cpu_extension
-
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaDecoderLayer
+from pagedspec.engine.models.attention import AttentionMetadata, plan_step
+from pagedspec.engine.models.layers import RMSNorm, swiglu_fuses
+from pagedspec.engine.models.linear import Linear, packed_weight
+from pagedspec.engine.models.quant import quantized_weight
+from pagedspec.kernels import cpu_attention, cpu_extension
 
 # StackLinear kinds (cpu_kernels.h): the kernel Linear.forward picks for the weight.
 _FLOAT32, _BFLOAT16 = 0, 1
@@ -56,7 +53,7 @@ class LayerStack:
 
     def run(
         self,
-        layers: Sequence[LlamaDecoderLayer],
+        layers: Sequence[nn.Module],
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -86,7 +83,7 @@ class LayerStack:
         # [] only if a pack went stale since _current (nothing ran): the Python loop, this once
         return out or None
 
-    def _current(self, layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> object | None:
+    def _current(self, layers: Sequence[nn.Module], dtype: torch.dtype) -> object | None:
         """The stack for ``dtype`` activations with every pack current: the one built before,
         else a new one; None while the layers are refused."""
         if self._stack is not None and self._dtype is dtype and self._stack.current():
@@ -99,14 +96,14 @@ class LayerStack:
         return self._stack
 
 
-def _signature(layers: Sequence[LlamaDecoderLayer]) -> tuple[int, int]:
+def _signature(layers: Sequence[nn.Module]) -> tuple[int, int]:
     return (
         layers[0].self_attn.qkv_proj.weight.data_ptr(),
         layers[-1].mlp.down_proj.weight.data_ptr(),
     )
 
 
-def build_stack(layers: Sequence[LlamaDecoderLayer], dtype: torch.dtype) -> object | None:
+def build_stack(layers: Sequence[nn.Module], dtype: torch.dtype) -> object | None:
     """The extension's DecoderStack over ``layers`` for activations of ``dtype``, or None
     where it would not compute what the Python layers compute (see the module docstring)."""
     if not layers or dtype not in (torch.float32, torch.bfloat16):

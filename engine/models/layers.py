@@ -1,5 +1,5 @@
 """Building blocks shared by the Llama-family models: RMSNorm, rotary embeddings and the SwiGLU
-activation (Linear and Embedding: ``engine.models.linear``).
+activation (Linear and Embedding: ``pagedspec.engine.models.linear``).
 
 RMSNorm, rope and SwiGLU run as single fused C++ ops (kernels/csrc/cpu_layer_ops.cpp) on float32
 or bfloat16 CPU inference tensors when the extension is available, and as the PyTorch formulas
@@ -12,9 +12,9 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.linear import Linear, fused_cpu
-from engine.models.quant import quantized_weight
-from kernels import cpu_extension
+from pagedspec.engine.models.linear import Linear, fused_cpu
+from pagedspec.engine.models.quant import quantized_weight
+from pagedspec.kernels import cpu_extension
 
 # Rope types whose frequencies do not depend on the sequence length; "dynamic" and "longrope" do,
 # which has no single meaning in a packed batch of sequences of different lengths.
@@ -82,7 +82,8 @@ class RotaryEmbedding(nn.Module):
 
     ``inv_freq`` stays float32 whatever the model dtype: build the model under a default dtype
     rather than casting it with ``.to(dtype)``. Built on the meta device (as
-    ``engine.model_loader`` does), it is computed on the CPU, to be moved with the module.
+    ``pagedspec.engine.loader.model_loader`` does), it is computed on the CPU, to be moved with the
+    module.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
@@ -142,7 +143,7 @@ def swiglu(gate_up_proj: Linear, x: torch.Tensor) -> torch.Tensor:
 def swiglu_fuses(gate_up_proj: Linear) -> bool:
     """Whether the weight has a one-call SwiGLU kernel: quantised or packed, no bias, and I a
     multiple of the pack's panel width (quantised and float32: the SIMD width; bf16: 16). The
-    decoder stack (``engine.models.layer_stack``) asks this too, so both paths agree."""
+    decoder stack (``pagedspec.engine.models.layer_stack``) asks this too, so both paths agree."""
     if gate_up_proj.bias is not None:
         return False
     inter = gate_up_proj.out_features // 2

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.quant import Empty, quantize_weight, quantized_weight, torch_empty
-from kernels import cpu_extension
+from pagedspec.engine.models.quant import Empty, quantize_weight, quantized_weight, torch_empty
+from pagedspec.kernels import cpu_extension
 
 # Up to this many rows a CPU Linear with a plain weight runs as a row-split batched GEMV.
 _GEMV_MAX_ROWS = 2
@@ -49,8 +49,8 @@ class Linear(_PackedWeight, nn.Linear):
       core: 2-4x slower on the 2-core dev CPU); otherwise F.linear.
     - GGUF Q8_0 or Q4_1 (``quantize``, ``quantization="int8"`` / ``"q4_1"``): the C++ kernel of
       kernels/csrc/cpu_linear_q8.cpp / cpu_linear_q4.cpp on the weight's pack
-      (``engine.models.quant``), float32 activations quantised per block to int16 inside it;
-      as with the float32 pack, no float copy is kept.
+      (``pagedspec.engine.models.quant``), float32 activations quantised per block to int16 inside
+      it; as with the float32 pack, no float copy is kept.
     - Packed bf16 (``prepack`` of a CPU bfloat16 weight): kernels/csrc/cpu_linear_bf16.cpp,
       float32 sums of the bf16 pack (AVX512-BF16 where the CPU has it) at every row count: on
       SmolLM2-135M's shapes 2.2-2.6x oneDNN's F.linear at 1-2 rows (1.6-1.7x the fp32 kernel:
@@ -77,8 +77,8 @@ class Linear(_PackedWeight, nn.Linear):
         self._row_blocks: tuple[int, int] = (0, 1)  # (thread count, P) last computed
 
     def reset_parameters(self) -> None:
-        # On the meta device (engine.model_loader builds there) there is nothing to initialise,
-        # and initialising there would import torch._dynamo (~100 MB resident).
+        # On the meta device (pagedspec.engine.loader.model_loader builds there) there is nothing to
+        # initialise, and initialising there would import torch._dynamo (~100 MB resident).
         if not self.weight.is_meta:
             super().reset_parameters()
 
@@ -102,9 +102,9 @@ class Linear(_PackedWeight, nn.Linear):
 
     def quantize(self, fmt: str = "q8_0", empty: Empty = torch_empty) -> None:
         """Quantise the weight to GGUF block format ``fmt`` ("q8_0" or "q4_1",
-        ``engine.models.quant``) for the C++ kernel and drop its float data, as ``prepack``
-        does (float32 activations; CPU only), its packs allocated by ``empty``. A no-op for a
-        weight already quantised."""
+        ``pagedspec.engine.models.quant``) for the C++ kernel and drop its float data, as
+        ``prepack`` does (float32 activations; CPU only), its packs allocated by ``empty``. A no-op
+        for a weight already quantised."""
         if quantized_weight(self.weight) is None:
             quantize_weight(self.weight, fmt, empty)
 
@@ -265,7 +265,7 @@ def _deepcopy_packed(module: nn.Module, memo: dict) -> nn.Module:
     copied = new.weight
     copied.data = placeholder(weight)
     # clones, not deepcopies: a pack is a view of the loader's one arena for all of them
-    # (engine.models.huge_pages), whose whole storage a deepcopy would copy
+    # (pagedspec.engine.models.huge_pages), whose whole storage a deepcopy would copy
     if pack is not None:
         copied.pack = (pack.clone(), copied.data_ptr())
     else:

@@ -4,8 +4,8 @@ All sequences of a step are concatenated into T tokens; attention separates them
 paged KV cache and ``AttentionMetadata``. q/k/v and gate/up are fused into single projections;
 ``load_weights`` maps HF checkpoint names onto them. Under tensor parallelism (a ``TPShard`` of
 size > 1) each rank builds the model with its share of the heads, MLP columns and vocabulary
-(``engine.distributed``) and ``load_weights`` slices the checkpoint accordingly; with size 1
-the layers are exactly the single-device ones.
+(``pagedspec.engine.distributed``) and ``load_weights`` slices the checkpoint accordingly; with size
+1 the layers are exactly the single-device ones.
 """
 
 from collections.abc import Callable, Iterable
@@ -14,12 +14,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
-from engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
-from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layer_stack import LayerStack
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, swiglu
-from engine.models.linear import Embedding, Linear
+from pagedspec.engine.distributed.shard import NO_TP, TPShard, kv_heads_of, shard_weight
+from pagedspec.engine.models.attention import AttentionMetadata, PagedAttention
+from pagedspec.engine.models.layer_stack import LayerStack
+from pagedspec.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, swiglu
+from pagedspec.engine.models.linear import Embedding, Linear
+from pagedspec.engine.models.parallel import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 
 # (fused parameter, HF parameter, shard index): HF weights stacked into one fused matrix.
 STACKED = (
@@ -172,7 +176,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
         # The layers in one C++ call where it computes the same bits (CPU, one device; see
-        # engine.models.layer_stack); None runs the Python loop always.
+        # pagedspec.engine.models.layer_stack); None runs the Python loop always.
         self.layer_stack: LayerStack | None = LayerStack() if shard.size == 1 else None
 
     def forward(

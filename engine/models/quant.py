@@ -1,6 +1,7 @@
 """Weight-only quantisation for the CPU: GGUF's Q8_0 numbers (here; run by
-kernels/csrc/cpu_linear_q8.cpp) and Q4_1's (``engine.models.quant_q4``; cpu_linear_q4.cpp), and a
-weight's packs for those kernels (``quantize_weight``, ``QuantizedWeight``).
+kernels/csrc/cpu_linear_q8.cpp) and Q4_1's (``pagedspec.engine.models.quant_q4``;
+cpu_linear_q4.cpp), and a weight's packs for those kernels (``quantize_weight``,
+``QuantizedWeight``).
 
 Q8_0 quantises each weight row in blocks of 32 along K: d = max|w| / 127 and q = round(w / d)
 (half away from zero), d kept as float16, w ≈ d * q. ``quantize_q8_0`` computes exactly what
@@ -9,8 +10,8 @@ quantisation of the same float weights agree, and quantising a Q8_0 tensor's deq
 gives its shipped q and d back. A quantised weight keeps one copy: the kernel's panel pack of q
 (Q8_0: 1 byte a weight; Q4_1: half a byte) and its scales (float16: Q8_0's d, 1/16 byte a
 weight; Q4_1's d and m, 1/8 byte); the Parameter's data becomes a 4-byte placeholder as with the
-float32 pack (``engine.models.linear.pack_weight``). The kernels take float32 activations and
-quantise them per block to int16 on the fly (cpu_linear_q8.cpp's file comment says why; an
+float32 pack (``pagedspec.engine.models.linear.pack_weight``). The kernels take float32 activations
+and quantise them per block to int16 on the fly (cpu_linear_q8.cpp's file comment says why; an
 error below 1/65534 of a block's largest value).
 """
 
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models.quant_q4 import q4_rows, q4_unpacked, quantize_q4_1
-from kernels import cpu_extension
+from pagedspec.engine.models.quant_q4 import q4_rows, q4_unpacked, quantize_q4_1
+from pagedspec.kernels import cpu_extension
 
 Q8_BLOCK = 32
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> new tensor
@@ -84,7 +85,8 @@ def q8_unpacked(q8: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int]) -
 
 @dataclass(frozen=True)
 class _Format:
-    """A GGUF block format's quantiser, packer and kernels (names in kernels.cpu_extension)."""
+    """A GGUF block format's quantiser, packer and kernels (names in
+    pagedspec.kernels.cpu_extension)."""
 
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     pack: str

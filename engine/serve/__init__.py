@@ -1,8 +1,8 @@
-"""OpenAI-compatible HTTP server: ``python -m engine.serve`` (console script ``pagedspec-serve``).
+"""OpenAI-compatible HTTP server: ``pagedspec serve [MODEL]`` (or ``python -m pagedspec.serve``).
 
 Command line (stable; the serving benchmark and the soak drive it)::
 
-    python -m engine.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    pagedspec serve [MODEL] [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
         [--served-model-name NAME] [--max-queue 256] [--shutdown-timeout 30]
         [--<every EngineConfig field>] [--speculative-method ngram|draft|eagle ...]
 

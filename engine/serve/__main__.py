@@ -1,6 +1,6 @@
-"""``python -m engine.serve``: parse the flags, load the model, serve until SIGTERM / Ctrl-C.
+"""``python -m pagedspec.serve``: parse the flags, load the model, serve until SIGTERM / Ctrl-C.
 
-On SIGTERM (or Ctrl-C) the server drains (``engine.serve.graceful``): new requests and
+On SIGTERM (or Ctrl-C) the server drains (``pagedspec.engine.serve.graceful``): new requests and
 ``/health`` get 503 while the running requests go on for up to ``--shutdown-timeout`` seconds;
 then what is left is aborted (streams end with finish reason "abort" and ``[DONE]``), the
 engine thread stops and the process exits with status 0.
@@ -12,7 +12,7 @@ import signal
 import sys
 from types import FrameType
 
-from engine.serve.cli import parse_args
+from pagedspec.engine.serve.cli import parse_args
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     # The server's imports (torch, the engine, uvicorn) only once the flags pass.
     import uvicorn
 
-    from engine.llm_engine import LLMEngine
-    from engine.serve.app import create_app
-    from engine.serve.async_engine import AsyncEngine
-    from engine.serve.graceful import DrainingServer
+    from pagedspec.engine.core.llm_engine import LLMEngine
+    from pagedspec.engine.serve.app import create_app
+    from pagedspec.engine.serve.async_engine import AsyncEngine
+    from pagedspec.engine.serve.graceful import DrainingServer
 
     # While serving, the server's own handler drains; it then restores this handler and
     # re-raises SIGTERM to it, which is how the process ends with status 0.

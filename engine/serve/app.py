@@ -17,26 +17,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
-from engine.serve.async_engine import AsyncEngine
-from engine.serve.chat import Chat, chat_params, chat_prompt, max_tokens_field
-from engine.serve.completions import Completions, completion_params, completion_prompts
-from engine.serve.metrics import ServerMetrics
-from engine.serve.protocol import (
+from pagedspec.engine.core.processor import PromptType
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.serve.async_engine import AsyncEngine
+from pagedspec.engine.serve.chat import Chat, chat_params, chat_prompt, max_tokens_field
+from pagedspec.engine.serve.completions import Completions, completion_params, completion_prompts
+from pagedspec.engine.serve.metrics import ServerMetrics
+from pagedspec.engine.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
-from engine.serve.request_group import RequestGroup
-from engine.serve.serving import APIError, api_error, bad_request, check_context
-from engine.serve.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
+from pagedspec.engine.serve.request_group import RequestGroup
+from pagedspec.engine.serve.serving import APIError, api_error, bad_request, check_context
+from pagedspec.engine.serve.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app around a not-yet-started ``AsyncEngine``: startup starts its thread, shutdown
-    (after the server's drain, ``engine.serve.graceful``) aborts what is left and stops it."""
+    (after the server's drain, ``pagedspec.engine.serve.graceful``) aborts what is left and stops
+    it."""
     metrics = ServerMetrics(lambda: engine.stats)
     tokenizer, max_model_len = engine.engine.tokenizer, engine.engine.max_model_len
     completions, chat = Completions(tokenizer, model_name), Chat(tokenizer, model_name)

@@ -19,11 +19,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from engine.distributed.comm import WorkerError
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineStats, RequestOutput
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
+from pagedspec.engine.core.llm_engine import LLMEngine
+from pagedspec.engine.core.processor import PromptType
+from pagedspec.engine.distributed.comm import WorkerError
+from pagedspec.engine.outputs import EngineStats, RequestOutput
+from pagedspec.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

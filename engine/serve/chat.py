@@ -8,11 +8,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from engine.llm import MessageError, render_chat
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.serve.logprobs import chat_logprobs
-from engine.serve.protocol import (
+from pagedspec.engine.entrypoints.llm import MessageError, render_chat
+from pagedspec.engine.outputs import CompletionOutput, RequestOutput
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.serve.logprobs import chat_logprobs
+from pagedspec.engine.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -20,8 +20,8 @@ from engine.serve.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
-from engine.serve.request_group import RequestGroup
-from engine.serve.serving import (
+from pagedspec.engine.serve.request_group import RequestGroup
+from pagedspec.engine.serve.serving import (
     APIError,
     Delta,
     Deltas,
@@ -31,7 +31,7 @@ from engine.serve.serving import (
     sse_stream,
     usage,
 )
-from engine.serve.tools import tool_calls, tool_constraint, tool_mode
+from pagedspec.engine.serve.tools import tool_calls, tool_constraint, tool_mode
 
 
 def chat_params(req: ChatCompletionRequest) -> SamplingParams:

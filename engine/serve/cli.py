@@ -8,7 +8,7 @@ import os
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
 
-from engine.config import (
+from pagedspec.engine.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     METHOD_DEFAULTS,
@@ -18,7 +18,7 @@ from engine.config import (
     EngineConfig,
     SpeculativeConfig,
 )
-from engine.generate import (
+from pagedspec.engine.entrypoints.generate import (
     NUM_THREADS_HELP,
     HelpFormatter,
     checked_engine_config,
@@ -82,8 +82,8 @@ class ServerArgs:
 
 
 def method_defaults_text(name: str) -> str:
-    """A SpeculativeConfig field's per-method default (engine.config.METHOD_DEFAULTS) as --help
-    shows it: "16, 4 for eagle"."""
+    """A SpeculativeConfig field's per-method default (pagedspec.engine.config.METHOD_DEFAULTS) as
+    --help shows it: "16, 4 for eagle"."""
     methods_of: dict[float, list[str]] = {}
     for method, defaults in METHOD_DEFAULTS.items():
         methods_of.setdefault(defaults[name], []).append(method)
@@ -137,7 +137,7 @@ def _add_config_flags(
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str], dict[str, str]]:
     """The parser, and the engine and speculation {field: dest} maps."""
     p = argparse.ArgumentParser(
-        prog="pagedspec-serve",
+        prog="pagedspec serve",
         description="OpenAI-compatible HTTP server for pagedspec.",
         formatter_class=HelpFormatter,
     )
@@ -209,7 +209,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 def default_served_name(model: str | None) -> str:
     if model is None:
-        from engine.default_model import GGUF_NAME  # (imports torch: after the flags)
+        from pagedspec.engine.loader.default_model import (
+            GGUF_NAME,  # (imports torch: after the flags)
+        )
 
         return GGUF_NAME.split(".")[0]
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")

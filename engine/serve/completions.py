@@ -10,13 +10,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.processor import PromptType, encode_prompt
-from engine.sampling_params import SamplingParams
-from engine.serve.logprobs import completion_logprobs, prompt_logprobs
-from engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from engine.serve.request_group import RequestGroup
-from engine.serve.serving import (
+from pagedspec.engine.core.processor import PromptType, encode_prompt
+from pagedspec.engine.outputs import RequestOutput
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.serve.logprobs import completion_logprobs, prompt_logprobs
+from pagedspec.engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pagedspec.engine.serve.request_group import RequestGroup
+from pagedspec.engine.serve.serving import (
     APIError,
     Delta,
     Deltas,

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.serve.async_engine import AsyncEngine
+from pagedspec.engine.serve.async_engine import AsyncEngine
 
 POLL_S = 0.05
 FINISH_S = 5.0  # how long the handlers may take to write their last bytes after the aborts

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.serve.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from pagedspec.engine.serve.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -18,7 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.outputs import EngineStats
+from pagedspec.engine.outputs import EngineStats
 
 PREFIX = "pagedspec:"
 LATENCY_BUCKETS = (

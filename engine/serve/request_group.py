@@ -15,11 +15,11 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
-from engine.serve.async_engine import AsyncEngine, OutputMailbox
-from engine.serve.metrics import ServerMetrics
+from pagedspec.engine.core.processor import PromptType
+from pagedspec.engine.outputs import RequestOutput
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.serve.async_engine import AsyncEngine, OutputMailbox
+from pagedspec.engine.serve.metrics import ServerMetrics
 
 
 @dataclass

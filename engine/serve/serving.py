@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.serve.async_engine import EngineDeadError, QueueFullError
-from engine.serve.protocol import Usage
+from pagedspec.engine.outputs import CompletionOutput, RequestOutput
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.serve.async_engine import EngineDeadError, QueueFullError
+from pagedspec.engine.serve.protocol import Usage
 
 DONE = "data: [DONE]\n\n"
 

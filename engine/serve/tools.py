@@ -18,8 +18,8 @@ import re
 import uuid
 from typing import Any
 
-from engine.serve.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-from engine.serve.serving import APIError
+from pagedspec.engine.serve.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from pagedspec.engine.serve.serving import APIError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

@@ -15,7 +15,7 @@ Asking whether to draft changes nothing (a step that fails and is retried asks a
 
 from __future__ import annotations
 
-from engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.draft_state import DraftState
 
 
 class DraftBackoff:

@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.draws import sample_from_probs
-from engine.grammar import fill_bitmasks, refused, words
-from engine.penalties import TokenHistory, apply_penalties
-from engine.sampler import SamplingBatch, processed_probs, seeded_generator
-from engine.sampling_params import SamplingParams
-from engine.spans import Span
-from engine.spec_decode.tree import DraftTree
-from scheduler import ScheduledSequence
+from pagedspec.engine.sample.draws import sample_from_probs
+from pagedspec.engine.sample.grammar import fill_bitmasks, refused, words
+from pagedspec.engine.sample.penalties import TokenHistory, apply_penalties
+from pagedspec.engine.sample.sampler import SamplingBatch, processed_probs, seeded_generator
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.spec_decode.tree import DraftTree
+from pagedspec.engine.worker.spans import Span
+from pagedspec.scheduler import ScheduledSequence
 
 
 def draw_drafts(
@@ -37,8 +37,8 @@ def draw_drafts(
     position); a seeded request draws from a generator of its own, seeded by (seed, position),
     so its drafts do not depend on the batch; the others share ``generator``.
     ``token_map``: the target id of each logit column (a reduced draft vocabulary).
-    ``grammar_bits[i]``: the bitmask (int32 words, ``engine.grammar``) of what row i's
-    constraint allows after the drafts before it (None: unconstrained); a row draws from those
+    ``grammar_bits[i]``: the bitmask (int32 words, ``pagedspec.engine.sample.grammar``) of what row
+    i's constraint allows after the drafts before it (None: unconstrained); a row draws from those
     tokens (from all where none is in the draft's vocabulary: that draft is then refused by the
     target's mask). ``vocab_size``: the target's (default: the logits' width)."""
     params = [h.params for h, _ in rows]
@@ -103,9 +103,9 @@ def chain_drafts(
     probabilities (softmax of the raw logits) falls below ``chain_stop``.
 
     With ``leaves``, sequence i also gets up to min(leaves, ``leaf_slots[i]``) leaves of a
-    DraftTree (``engine.spec_decode.tree``): ``alternatives`` gives each depth's next-best tokens
-    (other than the chain's draft there), each scored by its path's probability, the product of
-    the chain's top-1 probabilities above it times its own, and the best-scored are kept (ties:
+    DraftTree (``pagedspec.engine.spec_decode.tree``): ``alternatives`` gives each depth's next-best
+    tokens (other than the chain's draft there), each scored by its path's probability, the product
+    of the chain's top-1 probabilities above it times its own, and the best-scored are kept (ties:
     the shallower, then the higher-ranked). Returns the drafts (the chain, then any leaves by
     depth), per sequence q stacked where the chain was sampled (None where argmax), the trees,
     and per constrained sequence the bitmasks its chain was drawn under (row t: after its

@@ -12,13 +12,13 @@ import dataclasses
 
 import torch
 
-from engine.spec_decode.ngram import NgramIndex
+from pagedspec.engine.spec_decode.ngram import NgramIndex
 
 
 @dataclasses.dataclass
 class DraftState:
-    # backoff (engine.spec_decode.backoff): drafting resumes at this many output tokens, after
-    # a skip of this length
+    # backoff (pagedspec.engine.spec_decode.backoff): drafting resumes at this many output tokens,
+    # after a skip of this length
     resume_at: int = 0
     backoff: int = 0
     # A drafter with KV of its own (a draft model, an EAGLE head): it covers token positions

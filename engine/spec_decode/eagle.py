@@ -26,26 +26,26 @@ import os
 
 import torch
 
-from engine.model_loader import LoadedModel, default_dtype
-from engine.model_runner import ModelRunner
-from engine.models.eagle import EagleHead
-from engine.models.linear import Linear
-from engine.penalties import TokenHistory
-from engine.sampling_params import SamplingParams
-from engine.spans import Span
-from engine.spec_decode.chain import chain_drafts, draw_drafts
-from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.eagle_format import (
+from pagedspec.engine.loader.model_loader import LoadedModel, default_dtype
+from pagedspec.engine.models.eagle import EagleHead
+from pagedspec.engine.models.linear import Linear
+from pagedspec.engine.sample.penalties import TokenHistory
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.spec_decode.chain import chain_drafts, draw_drafts
+from pagedspec.engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.eagle_format import (
     feature_layers,
     feature_layers_fit,
     layer_model_config,
     load_head,
 )
-from engine.spec_decode.proposers import Proposal, TargetStep
-from kernels import cpu_extension
-from scheduler import ScheduledSequence
+from pagedspec.engine.spec_decode.proposers import Proposal, TargetStep
+from pagedspec.engine.worker.model_runner import ModelRunner
+from pagedspec.engine.worker.spans import Span
+from pagedspec.kernels import cpu_extension
+from pagedspec.scheduler import ScheduledSequence
 
-# The head trained here for the default model (``python -m engine.spec_decode.train_eagle``).
+# The head trained here for the default model (``pagedspec train-eagle``).
 DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-eagle")
 # Positions a non-drafting sequence may leave unfed: the bound on the features it stores.
 MAX_DEFERRED = 32
@@ -134,7 +134,8 @@ class EagleProposer:
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
             # first call: the target's features; then each draft's input is the previous h
             feats = torch.stack([h_last[i] for i in owners]) if h_last else first_features
-            logits, hidden = self.runner.forward(spans, features=feats, return_hidden=True)
+            out = self.runner.forward(spans, features=feats, return_hidden=True)
+            logits, hidden = out.logits, out.hidden
             drafting = [i for i, sp in zip(owners, spans, strict=True) if sp.num_logits]
             h_last.update(zip(drafting, hidden, strict=True))  # h at each drafting span's end
             return logits

@@ -20,7 +20,7 @@ and a chain draft feeds h_i as the next position's feature. The target's feature
   also widens attention's input to 2H; this one keeps EAGLE-1's ``fc``.
 
 ``d2t[j]`` is the target id of draft id j (strictly ascending). Dependencies: torch, safetensors,
-json, transformers' ``PretrainedConfig`` and ``engine.models.hf_config``.
+json, transformers' ``PretrainedConfig`` and ``pagedspec.engine.models.hf_config``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
-from engine.models.hf_config import model_config_from_dict
+from pagedspec.engine.models.hf_config import model_config_from_dict
 
 ARCHITECTURES = ("eagle1", "eagle3")
 WEIGHTS_FILE = "model.safetensors"

@@ -17,14 +17,14 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.spans import Span
-from engine.spec_decode.chain import chain_drafts, draw_drafts
-from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.ngram import NgramIndex
-from engine.spec_decode.tree import DraftTree
-from scheduler import ScheduledSequence
+from pagedspec.engine.sampling_params import SamplingParams
+from pagedspec.engine.spec_decode.chain import chain_drafts, draw_drafts
+from pagedspec.engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.ngram import NgramIndex
+from pagedspec.engine.spec_decode.tree import DraftTree
+from pagedspec.engine.worker.model_runner import ModelRunner
+from pagedspec.engine.worker.spans import Span
+from pagedspec.scheduler import ScheduledSequence
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class Proposal:
     # per scheduled index whose drafts are a tree (a chain, then leaves): its shape
     trees: dict[int, DraftTree] = field(default_factory=dict)
     # per constrained scheduled index: the bitmasks its drafts were drawn under (row t: after
-    # drafts[:t]), which verification's rows 0 .. len(drafts) - 1 reuse (engine.grammar)
+    # drafts[:t]), which verification's rows 0 .. len(drafts) - 1 reuse
+    # (pagedspec.engine.sample.grammar)
     grammar_bits: dict[int, np.ndarray] = field(default_factory=dict)
 
 
@@ -171,7 +172,7 @@ class DraftModelProposer:
             written[seq.seq_id] = (end, [])
 
         def forward(spans: list[Span], owners: list[int]) -> torch.Tensor:
-            return self.runner.forward(spans)
+            return self.runner.forward(spans).logits
 
         vocab = self.runner.model.config.vocab_size  # the target's, as a draft model must have
 

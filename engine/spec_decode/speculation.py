@@ -1,33 +1,42 @@
 """Speculation on: drafts from a proposer (n-gram, draft model or EAGLE head), verified by
-the target in the same forward (``engine.spec_decode.round`` describes the round)."""
+the target in the same forward (``pagedspec.engine.sample.round`` describes the round)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from engine.config import SpeculativeConfig
-from engine.model_runner import ModelRunner
-from engine.request import SampleState
-from engine.sample_jobs import SampleJob, SampleResult
-from engine.spans import Span
-from engine.spec_decode.backoff import DraftBackoff
-from engine.spec_decode.draft_state import DraftState
-from engine.spec_decode.proposers import Proposal, Proposer, TargetStep
-from engine.spec_decode.round import (
+from pagedspec.engine.config import SpeculativeConfig
+from pagedspec.engine.request import SampleState
+from pagedspec.engine.sample.grammar import advanced
+from pagedspec.engine.sample.round import (
     NoSpeculation,
     Round,
+    StepJobs,
+    Verified,
     by_owner,
     greedy_round,
-    keep_prompt_logprobs,
     logit_rows,
+    sample_jobs,
 )
-from engine.spec_decode.tree import sample_at_leaves, tree_slots
-from engine.step_sampler import StepSampler
-from scheduler import ScheduledSequence, SchedulerOutput, Sequence
+from pagedspec.engine.sample.sample_jobs import SampleResult
+from pagedspec.engine.sample.step_sampler import StepSampler
+from pagedspec.engine.spec_decode.backoff import DraftBackoff
+from pagedspec.engine.spec_decode.draft_state import DraftState
+from pagedspec.engine.spec_decode.proposers import Proposal, Proposer, TargetStep
+from pagedspec.engine.spec_decode.tree import tree_slots
+from pagedspec.engine.worker.model_runner import ForwardOutput, ModelRunner
+from pagedspec.engine.worker.spans import Span
+from pagedspec.scheduler import ScheduledSequence, SchedulerOutput, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRound(Round):
+    """A round with the proposer's drafts (none for a sequence that does not draft)."""
+
+    proposal: Proposal = Proposal([], [], {})
 
 
 class Speculation(NoSpeculation):
@@ -79,7 +88,10 @@ class Speculation(NoSpeculation):
         left = (params.max_tokens or self.max_model_len) - seq.num_output_tokens
         return max(0, min(self.k, left - 1, self.max_model_len - len(seq) - 1))
 
-    def prepare(self, sched: SchedulerOutput) -> Round:
+    def new_draft(self) -> DraftState:
+        return DraftState()
+
+    def prepare(self, sched: SchedulerOutput) -> SpecRound:
         self.proposer.copy_blocks(sched.blocks_to_copy)
         scheduled = sched.scheduled
         proposal = self._propose(scheduled)
@@ -93,10 +105,9 @@ class Speculation(NoSpeculation):
             )
             for i, (s, drafts) in enumerate(zip(scheduled, proposal.drafts, strict=True))
         ]
-        options = {}
-        if self.proposer.needs_target_hidden:
-            options = {"return_hidden": True, "hidden_layers": self.proposer.hidden_layers}
-        return Round(scheduled, spans, proposal, options)
+        hidden = self.proposer.needs_target_hidden
+        layers = self.proposer.hidden_layers if hidden else ()
+        return SpecRound(scheduled, spans, hidden, layers, proposal)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> Proposal:
         """Drafts for the sequences that reserved lookahead slots (a draft model also runs every
@@ -119,46 +130,37 @@ class Speculation(NoSpeculation):
         return self.proposer.propose(scheduled, ks, params, leaf_slots)
 
     # --- after the forward ----------------------------------------------------------------
-    def verify(self, round: Round, output: Any) -> list[list[SampleResult]]:
-        logits = output
+    def verify(self, round: SpecRound, output: ForwardOutput) -> Verified:
+        logits, features = output.logits, None
         if self.proposer.needs_target_hidden:
-            logits, hidden = output
-            features = self.proposer.target_features(hidden)
-            round.features = list(features.split([len(s.token_ids) for s in round.spans]))
+            hidden = self.proposer.target_features(output.hidden)
+            features = list(hidden.split([len(s.token_ids) for s in round.spans]))
         proposal = round.proposal
         if not any(proposal.drafts):  # nothing to verify this step: plain sampling
-            return super().verify(round, logits)
+            return dataclasses.replace(super().verify(round, output), features=features)
         if not proposal.trees and all(q is None for q in proposal.draft_probs):
-            greedy = greedy_round(round, logits)
+            greedy = greedy_round(round, logits, proposal.drafts)
             if greedy is not None:
-                return greedy
-        jobs, owners, first_rows = [], [], {}
-        row = 0
-        for i, (s, span) in enumerate(zip(round.scheduled, round.spans, strict=True)):
-            if not span.num_logits:
-                continue
-            record: SampleState = s.seq.owner
-            params, outputs = record.request.params, s.seq.num_output_tokens
-            drafts, q = proposal.drafts[i], proposal.draft_probs[i]
-            if (tree := proposal.trees.get(i)) is not None:  # the chain is verified as one
-                drafts = drafts[: tree.chain]
-            first_rows[i] = first = row + keep_prompt_logprobs(round, i, logits, row)
-            row += span.num_logits
-            if not s.samples:  # a prompt chunk that only reports prompt logprobs
-                continue
-            for index in (record.index,) if outputs else range(params.n):
-                jobs.append(SampleJob(params, index, outputs, s.seq.token_ids, first, drafts, q,
-                                      record.grammar, proposal.grammar_bits.get(i)))  # fmt: skip
-                owners.append(i)
-        results = by_owner(len(round.scheduled), owners, self.sampler(logits, jobs))
+                return Verified(greedy, features=features)
+        drafts = [  # a tree's chain is verified as one, its leaves after (_sample_at_leaves)
+            d if (tree := proposal.trees.get(i)) is None else d[: tree.chain]
+            for i, d in enumerate(proposal.drafts)
+        ]
+        step = sample_jobs(round, logits, drafts, proposal.draft_probs, proposal.grammar_bits)
+        results = by_owner(len(round.scheduled), step.owners, self.sampler(logits, step.jobs))
+        leaf_hits = {}
         if proposal.trees:
-            round.leaf_hits = sample_at_leaves(
-                self.sampler, proposal, logits, jobs, owners, results, first_rows
-            )
-        return results
+            leaf_hits = _sample_at_leaves(self.sampler, proposal, logits, step, results)
+        return Verified(results, step.prompt_logprobs, features, leaf_hits)
 
     def commit(
-        self, round: Round, i: int, record: SampleState, emitted: int, kept: list[int]
+        self,
+        round: SpecRound,
+        verified: Verified,
+        i: int,
+        record: SampleState,
+        emitted: int,
+        kept: list[int],
     ) -> int | None:
         s = round.scheduled[i]
         num_drafts = len(round.proposal.drafts[i])
@@ -173,8 +175,8 @@ class Speculation(NoSpeculation):
         if not self.has_draft_model:  # nothing of the step to record
             return None
         num_computed = s.start + s.num_new_tokens + max(len(kept) - 1, 0)
-        features = round.features[i] if round.features is not None else None
-        leaf = round.leaf_hits.get(i)
+        features = verified.features[i] if verified.features is not None else None
+        leaf = verified.leaf_hits.get(i)
         if leaf is not None and len(kept) == emitted:  # the leaf's token is the last but one
             depth = len(kept) - 1
             self.runner.move_kv(s.block_table, [(s.start + leaf, s.start + depth)])
@@ -188,8 +190,39 @@ class Speculation(NoSpeculation):
     def reset(self, record: SampleState) -> None:
         record.draft = DraftState()
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.proposer.copy_blocks(pairs)
+
+def _sample_at_leaves(
+    sampler: StepSampler,
+    proposal: Proposal,
+    logits: torch.Tensor,
+    step: StepJobs,
+    results: list[list[SampleResult]],
+) -> dict[int, int]:
+    """Where a draft tree's chain emitted the token a leaf holds, one more token from the
+    leaf's row (the target's p after the emitted tokens: ``pagedspec.engine.spec_decode.tree``
+    says why the law stays the target's), appended to that sequence's result; returns the
+    leaves used: span index by scheduled index."""
+    follow, used = [], {}
+    for job, i in zip(step.jobs, step.owners, strict=True):
+        tree = proposal.trees.get(i)
+        if tree is None:
+            continue
+        emitted = results[i][0].token_ids  # a sequence with drafts feeds one sample
+        leaf = tree.leaf_hit(proposal.drafts[i], emitted)
+        if leaf is not None:
+            used[i] = leaf
+            follow.append(job._replace(
+                num_outputs=job.num_outputs + len(emitted),
+                token_ids=[*job.token_ids, *emitted], row=step.first_rows[i] + leaf,
+                drafts=(), draft_probs=None, grammar_bits=None,
+                grammar=None if job.grammar is None
+                else advanced(job.grammar, emitted, sampler.eos_token_ids),
+            ))  # fmt: skip
+    for i, more in zip(used, sampler(logits, follow), strict=True):
+        first = results[i][0]
+        logprobs = None if first.logprobs is None else first.logprobs + (more.logprobs or [])
+        results[i][0] = SampleResult(first.token_ids + more.token_ids, logprobs)
+    return used
 
 
 def _draft_params(record: SampleState, config: SpeculativeConfig):

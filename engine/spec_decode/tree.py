@@ -23,16 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
-
-from engine.grammar import advanced
-from engine.sample_jobs import SampleJob, SampleResult
-from engine.step_sampler import StepSampler
-
-if TYPE_CHECKING:
-    from engine.spec_decode.proposers import Proposal
 
 
 @dataclass(frozen=True)
@@ -62,38 +52,3 @@ class DraftTree:
 def tree_slots(depth: int, leaves: int) -> int:
     """Draft slots of a chain of ``depth`` drafts with up to ``leaves`` leaves beside it."""
     return depth + leaves if depth else 0
-
-
-def sample_at_leaves(
-    sampler: StepSampler,
-    proposal: Proposal,
-    logits: torch.Tensor,
-    jobs: list[SampleJob],
-    owners: list[int],
-    results: list[list[SampleResult]],
-    first_rows: dict[int, int],
-) -> dict[int, int]:
-    """Where a draft tree's chain emitted the token a leaf holds, one more token from the
-    leaf's row (the target's p after the emitted tokens), appended to that sequence's result;
-    returns the leaves used: span index by scheduled index."""
-    follow, used = [], {}
-    for job, i in zip(jobs, owners, strict=True):
-        tree = proposal.trees.get(i)
-        if tree is None:
-            continue
-        emitted = results[i][0].token_ids  # a sequence with drafts feeds one sample
-        leaf = tree.leaf_hit(proposal.drafts[i], emitted)
-        if leaf is not None:
-            used[i] = leaf
-            follow.append(job._replace(
-                num_outputs=job.num_outputs + len(emitted),
-                token_ids=[*job.token_ids, *emitted], row=first_rows[i] + leaf,
-                drafts=(), draft_probs=None, grammar_bits=None,
-                grammar=None if job.grammar is None
-                else advanced(job.grammar, emitted, sampler.eos_token_ids),
-            ))  # fmt: skip
-    for i, more in zip(used, sampler(logits, follow), strict=True):
-        first = results[i][0]
-        logprobs = None if first.logprobs is None else first.logprobs + (more.logprobs or [])
-        results[i][0] = SampleResult(first.token_ids + more.token_ids, logprobs)
-    return used
