@@ -27,6 +27,7 @@ own once (about a minute, cached for later runs).
 
 import collections
 import gc
+import importlib
 import inspect
 import json
 import operator
@@ -40,9 +41,12 @@ import time
 from pathlib import Path
 
 from benchmarks import workload
-from pagedspec import EngineConfig, LLMEngine, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tree run from (this checkout, or a worker's: its cwd) names the engine's API: the package
+# ``pagedspec`` from issue 59 on; a baseline from before it has the top-level ``engine``.
+_API = importlib.import_module("pagedspec" if (Path.cwd() / "pagedspec").is_dir() else "engine")
+EngineConfig, LLMEngine, SamplingParams = _API.EngineConfig, _API.LLMEngine, _API.SamplingParams
 MODEL = ROOT / "benchmarks" / "model_configs" / "tiny-llama.json"
 BASELINE = "b11ce88"  # main before issue 50's engine step
 PROMPT_LEN, PATTERN, K, HEAD_VOCAB = 16, 4, 4, 256

@@ -38,7 +38,9 @@ def time_calls(
     return times[warmup:]
 
 
-def clocked(obj: object, name: str, keep: Callable[..., bool] = lambda *a: True) -> list[float]:
+def clocked(
+    obj: object, name: str, keep: Callable[..., bool] = lambda *a, **k: True
+) -> list[float]:
     """Wraps ``obj.name``: the seconds of each call for which ``keep(*args)`` holds are kept."""
     fn, times = getattr(obj, name), []
 

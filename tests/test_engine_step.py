@@ -5,6 +5,8 @@ a prefill-only request, draft KV that never touches a registered block)."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -335,3 +337,25 @@ def test_a_step_runs_with_the_cycle_collector_paused(tiny_llama):
     assert seen == [False, False, False] and gc.isenabled()
     engine.step()  # the interrupted step runs again
     assert len(seen) == 4
+
+
+def test_a_step_without_speculation_never_imports_spec_decode(tiny_llama):
+    """The plain step lives below ``spec_decode`` (``pagedspec.engine.sample.round``): an
+    engine without speculation runs prompts, forks and sampled decodes without loading it;
+    with speculation it does."""
+    code = (
+        "import sys\n"
+        "from pagedspec import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], num_kv_blocks=64, **eval(sys.argv[2]))\n"
+        "llm.generate(['The quick brown fox'], SamplingParams(n=2, temperature=0.8, seed=1,\n"
+        "             max_tokens=6), use_tqdm=False)\n"
+        "print(any(m.startswith('pagedspec.engine.spec_decode') for m in sys.modules))\n"
+    )
+    for options, loaded in (
+        ("{}", "False"),
+        ("{'speculative_config': {'method': 'ngram'}}", "True"),
+    ):
+        out = subprocess.run([sys.executable, "-c", code, tiny_llama, options],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == loaded, options

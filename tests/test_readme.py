@@ -258,3 +258,33 @@ def test_docs_python_modules_exist(page):
         if is_module and not _module_exists(words[2]):
             missing.append(words[2])
     assert not missing, f"{page.relative_to(ROOT)}: no module {missing}"
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+READING_ROW = re.compile(r"^\| \d+ \| `([^`]+)` \| (\d+) \|", re.M)
+
+
+def test_the_reading_path_counts_the_lines_its_files_have():
+    """docs/architecture.md's reading path names files that exist, with their line counts,
+    and its totals are the sums of its tables (the "afternoon" promise stays measured)."""
+    text = ARCHITECTURE.read_text()
+    rows = READING_ROW.findall(text)
+    assert len(rows) > 20
+    wrong = {path: int(n) for path, n in rows
+             if len((ROOT / path).read_text().splitlines()) != int(n)}  # fmt: skip
+    assert not wrong, f"stale line counts in docs/architecture.md: {wrong}"
+    tables = text.split("Speculation adds these")
+    plain = sum(int(n) for _, n in READING_ROW.findall(tables[0]))
+    spec = sum(int(n) for _, n in READING_ROW.findall(tables[1]))
+    assert f"That is {plain:,} lines" in text and f"({spec:,} more.)" in text
+
+
+def test_the_documented_layers_are_the_import_contracts():
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in contracts["contracts"] if c.get("containers") == ["pagedspec.engine"])
+    section = ARCHITECTURE.read_text().split("## Layers")[1].split("## ")[0]
+    documented = re.findall(r"^\d+\. (.+?)(?: — .*)?$", section, re.M)
+    as_contract = [" | ".join(re.findall(r"`(\w+)`", line)) for line in documented]
+    assert as_contract == layers["layers"]

@@ -87,6 +87,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--system", help="system message for --chat prompts given as plain text")
     p.add_argument("--quiet", action="store_true", help="do not print the answers")
+    add_engine_arguments(p)
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass")
+    s.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest (0 or -1: off)"
+    )
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
+    s.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted once per generated token"
+    )
+    s.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence so far"
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divides (or multiplies, if negative) the logit of any token seen; 1 = off",
+    )
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    s.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
+    s.add_argument("--request-seed", type=int, help="per-request seed (reproducible sampling)")
+    return p
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, engine and speculative-decoding flags (``engine_config`` reads them)."""
     g = p.add_argument_group("model and engine")
     g.add_argument(
         "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
@@ -127,36 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size", type=int, default=1, help="split the model over this many ranks"
     )
     g.add_argument("--num-threads", type=int, help=NUM_THREADS_HELP)
-    s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass")
-    s.add_argument(
-        "--top-k", type=int, default=0, help="sample from the k likeliest (0 or -1: off)"
-    )
-    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
-    s.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="subtracted once per generated token"
-    )
-    s.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence so far"
-    )
-    s.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="divides (or multiplies, if negative) the logit of any token seen; 1 = off",
-    )
-    s.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
-    s.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many")
-    s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
-    s.add_argument("--request-seed", type=int, help="per-request seed (reproducible sampling)")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, help="off when not given")
     d.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     d.add_argument("--draft-model", help="draft model for --speculative-method draft")
-    return p
 
 
 def from_options(
@@ -202,10 +207,8 @@ def checked_engine_config(**kwargs: Any) -> EngineConfig:
     return config
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[Line], SamplingParams, EngineConfig]:
-    """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
-    items = read_prompts(args.prompt, args.input)
-    params = from_options(SamplingParams, SAMPLING_OPTIONS, args)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The config ``add_engine_arguments``' flags give; ValueError naming the bad option."""
     spec = None
     if args.speculative_method:
         spec = from_options(
@@ -214,13 +217,20 @@ def check_args(args: argparse.Namespace) -> tuple[list[Line], SamplingParams, En
             args,
             attention_backend=args.attention_backend,
         )
-    config = from_options(
+    return from_options(
         checked_engine_config,
         ENGINE_OPTIONS,
         args,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_config=spec,
     )
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[Line], SamplingParams, EngineConfig]:
+    """The prompts, sampling parameters and engine config; ValueError naming the bad option."""
+    items = read_prompts(args.prompt, args.input)
+    params = from_options(SamplingParams, SAMPLING_OPTIONS, args)
+    config = engine_config(args)
     if args.output is not None and not args.output.parent.is_dir():
         raise ValueError(f"--output: directory {str(args.output.parent)!r} does not exist")
     if args.output is not None and args.output.is_dir():
