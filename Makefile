@@ -29,9 +29,9 @@ $(STAMP): setup.py
 test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_kernels_cpu.py tests/test_linear_bf16.py \
-	    tests/test_layers_fused.py tests/test_models.py tests/test_quant_int8.py \
-	    tests/test_quant_q4.py tests/test_layer_stack.py
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/kernels/test_kernels_cpu.py \
+	    $(addprefix tests/engine/models/,test_linear_bf16.py test_layers_fused.py test_models.py \
+	    test_quant_int8.py test_quant_q4.py test_layer_stack.py)
 	$(MAKE) gpu-dry-run
 
 # The import contract (pyproject.toml [tool.importlinter]): the engine's layers, and memory,

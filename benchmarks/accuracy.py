@@ -1,7 +1,8 @@
 """Accuracy of each weight precision (benchmarks.precisions), pagedspec and llama.cpp side by side.
 
 (a) Greedy agreement with pagedspec fp32: the default model's HF fixture prompts (those of
-tests/test_default_model.py, plain, and examples/prompts.jsonl through the chat template),
+tests/engine/loader/test_default_model.py, plain, and examples/prompts.jsonl through the chat
+template),
 --max-tokens tokens each, EOS ignored; the share of outputs identical to fp32's and the mean
 length of their common prefix with it.
 (b) Perplexity on a held-out text, data/alice_ch1-2.txt (Lewis Carroll, Alice's Adventures in
@@ -28,7 +29,8 @@ from benchmarks.timing import run_engine
 from benchmarks.workload import BenchRequest
 from pagedspec.engine.worker.spans import Span
 
-# tests/test_default_model.py's prompts: the ones HF transformers checks the default model on.
+# tests/engine/loader/test_default_model.py's prompts: the ones HF transformers checks the default
+# model on.
 FIXTURE_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",

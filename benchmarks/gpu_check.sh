@@ -79,7 +79,7 @@ fi
 # The GPU tests: only these files are collected (no test module that builds the C++ CPU
 # extension); without CUDA they are collected and skip.
 step pytest-gpu 140 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" \
-    --junitxml="$OUT/pytest_gpu.xml" tests/test_kernels_triton.py tests/test_gpu_engine.py
+    --junitxml="$OUT/pytest_gpu.xml" tests/kernels/test_kernels_triton.py tests/engine/core/test_gpu_engine.py
 step bench-kernels 60 "$PY" -m benchmarks.kernels --output-dir "$OUT" "${kernel_args[@]}"
 # End to end on dummy weights against HF static batching, one timed run per size.
 step throughput 170 "$PY" -m benchmarks.throughput --load-format dummy "${device[@]}" \

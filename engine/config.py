@@ -15,7 +15,7 @@ QUANTIZATIONS = (None, "int8", "q4_1")
 # nearest when written, and attention still computes in float32.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # scheduler.POLICIES (not imported here: the scheduler package imports torch, and the CLIs read
-# this module before torch loads); tests/test_engine.py checks the two agree
+# this module before torch loads); tests/engine/core/test_engine.py checks the two agree
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 

@@ -125,3 +125,8 @@ def make_paged_problem(
         cu_query_lens=cu.to(torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest absolute error of ``got`` against ``exact`` (float64), over ``exact``'s largest."""
+    return float((got.double() - exact).abs().max() / exact.abs().max())

@@ -282,10 +282,10 @@ class KernelConfig:
 
 # (fp32, BLOCK_D, BLOCK_M) -> KernelConfig, each compiled for sm_80 and sm_90 by
 # pagedspec.kernels.compile_check with no register spills and <= 99 KB of shared memory (A10 / L4 /
-# RTX 4090 class GPUs have no more): tests/test_kernel_compile.py. The Q, K and V tiles and the fp32
-# accumulator live in registers with their gather addresses, so all but the smallest tile take 8
-# warps, and the widest (fp32, head dim 128) narrower KV tiles. ptxas is not monotone here (fp32
-# 128 x 32 split-KV spills with 1 or 2 stages, not 3): each entry is the first that compiled
+# RTX 4090 class GPUs have no more): tests/kernels/test_kernel_compile.py. The Q, K and V tiles and
+# the fp32 accumulator live in registers with their gather addresses, so all but the smallest tile
+# take 8 warps, and the widest (fp32, head dim 128) narrower KV tiles. ptxas is not monotone here
+# (fp32 128 x 32 split-KV spills with 1 or 2 stages, not 3): each entry is the first that compiled
 # clean. fp32 at head dim 128 spills at BLOCK_M 64 under every config tried (4-16 warps, BLOCK_N
 # 16-32, 1-4 stages), so its tiles stop at 32 rows (max_block_m).
 _CONFIGS = {

@@ -1,7 +1,7 @@
 """Per-sequence block tables over a BlockPool: admission with prefix caching, growth with
 copy-on-write, rollback, fork and free. Pure bookkeeping: it never touches KV memory.
 
-Invariants (checked by tests/test_block_manager_properties.py):
+Invariants (checked by tests/memory/test_block_manager_properties.py):
   * len(table) == ceil(num_tokens / block_size) for every sequence;
   * a block's ref count == the number of table entries holding it; ref 0 <=> free;
   * a sequence's chain of prefix hashes covers only full blocks of tokens it committed, and a

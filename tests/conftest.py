@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 # Tests import it from here; the host-overhead benchmark builds its head with it too.
 from benchmarks.random_heads import build_random_eagle_head as build_random_eagle_head
+from pagedspec import EngineConfig, LLMEngine
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 
 TINY_VOCAB = 512
 CORPUS = [
@@ -154,3 +158,8 @@ def build_random_llama(
                 p.normal_(0.0, std)
     model.save_pretrained(path)
     return str(path)
+
+
+def engine_for(model: str, **kwargs) -> LLMEngine:
+    """An engine on ``model`` with 64 KV blocks and ``kwargs``' other ``EngineConfig`` fields."""
+    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, **kwargs))

@@ -1,4 +1,7 @@
-"""Model definitions, chosen by ``config.model_type``."""
+"""Model definitions, chosen by ``config.model_type``: modules from token ids, positions and
+the paged KV cache to hidden states and logits. They know no scheduler, runner or sampling;
+tensor parallelism reaches them only as a ``TPShard`` (``parallel``: the layers that end in a
+collective)."""
 
 from torch import nn
 from transformers import PretrainedConfig

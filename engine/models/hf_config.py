@@ -6,8 +6,8 @@ and with it sympy and mpmath: 51 MiB resident and most of a second for every pro
 a model, none of it used here. The engine reads a fixed set of fields; this module fills them
 with the defaults and post-init rules of the four classes it supports and keeps everything else
 in the file as is. File resolution (config.json, a GGUF's metadata) and rope standardisation are
-transformers' own. ``tests/test_hf_config.py`` checks every field the engine reads against the
-real classes.
+transformers' own. ``tests/engine/models/test_hf_config.py`` checks every field the engine reads
+against the real classes.
 
 The config is an instance of a small ``PretrainedConfig`` subclass per model_type: ``to_dict``
 and ``save_pretrained`` write the class attribute ``model_type`` (the base class's is ""), so a

@@ -1,4 +1,6 @@
 """OpenAI-compatible HTTP server: ``pagedspec serve [MODEL]`` (or ``python -m pagedspec.serve``).
+It drives ``LLMEngine`` from one engine thread (``async_engine``) and speaks HTTP; the engine
+below it never knows a server exists.
 
 Command line (stable; the serving benchmark and the soak drive it)::
 

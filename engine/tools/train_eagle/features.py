@@ -6,8 +6,9 @@ prefill of many conversations at a time, and keeps the final hidden state after 
 (what the target feeds its LM head), after the hidden states of the ``feature_layers`` a
 fused-feature head reads (none for EAGLE-1), stored as bfloat16. One feature file per answer
 chunk (``<work_dir>/features/<name>_chunk_XXXXX.safetensors``); finished files are skipped. HF
-transformers computes the same features (``tests/test_train_eagle.py`` checks it), ~1.3x slower
-on the 2-core dev CPU (192 against 243 tokens/s on the same 48 conversations, one thread)."""
+transformers computes the same features (``tests/engine/tools/test_train_eagle.py`` checks it),
+~1.3x slower on the 2-core dev CPU (192 against 243 tokens/s on the same 48 conversations, one
+thread)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
@@ -22,7 +23,6 @@ import pagedspec.engine.entrypoints.generate
 import pagedspec.engine.entrypoints.llm
 from pagedspec import LLM, EngineConfig, RequestOutputKind, SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 TEXT = "one two three"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from conftest import engine_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,10 +15,6 @@ from pagedspec import EngineConfig, LLMEngine, SamplingParams, StructuredOutputs
 from pagedspec.engine.core.graph_capture import capture_graphs, rerun_capture
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
-
-
-def engine_for(model: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, **kwargs))
 
 
 def launches(engine: LLMEngine, failed: int = 0) -> int:

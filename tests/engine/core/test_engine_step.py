@@ -10,8 +10,9 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import engine_for
 
-from pagedspec import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedspec import LLM, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Paged attention stores", "one two three four", "def add(a, b):"]
@@ -33,10 +34,6 @@ def run(engine: LLMEngine, requests: dict, late: dict | None = None, at_step: in
     bm = engine.block_manager
     assert bm.num_free_blocks() == bm.num_blocks  # nothing leaked
     return final
-
-
-def engine_for(model, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, num_kv_blocks=64, **kwargs))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import build_random_eagle_head
+from conftest import ROOT, build_random_eagle_head
 from transformers import AutoConfig, LlamaForCausalLM
 
 from benchmarks import (
@@ -50,7 +50,7 @@ from pagedspec.engine.models.linear import Linear
 from pagedspec.engine.models.quant import quantized_weight
 from pagedspec.engine.spec_decode.eagle_format import load_head, save_head
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

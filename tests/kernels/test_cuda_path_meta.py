@@ -8,10 +8,10 @@ wrong device fails, and so does any host read of device data (meta tensors have 
 
 import functools
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoConfig
 
 from pagedspec.engine.loader.model_loader import default_dtype, model_kv_shape
@@ -24,7 +24,7 @@ from pagedspec.kernels import triton_attention, triton_kv_write
 from pagedspec.memory import allocate_kv_caches
 
 META = torch.device("meta")
-CONFIGS = Path(__file__).parent.parent / "benchmarks" / "model_configs"
+CONFIGS = ROOT / "benchmarks" / "model_configs"
 BLOCK_SIZE, NUM_BLOCKS = 16, 64
 
 

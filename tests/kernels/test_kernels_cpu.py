@@ -12,7 +12,7 @@ import torch
 
 from pagedspec import kernels
 from pagedspec.kernels import cpu_attention, cpu_extension, reference
-from pagedspec.kernels.testing import ATTENTION_CASES, make_paged_problem
+from pagedspec.kernels.testing import ATTENTION_CASES, make_paged_problem, relative_error
 
 # Extra shapes for this kernel's own edges: more query rows per KV head than one work item holds
 # (32), head dims that are not a multiple of the SIMD width or of the 4-Vec accumulation runs,
@@ -38,10 +38,6 @@ def run_kernel(problem, scale, dtype=torch.float32):
     assert got is out
     assert not out.isnan().any(), "some output rows were not written"
     return out, exact
-
-
-def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((got.double() - exact).abs().max() / exact.abs().max())
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))

@@ -6,14 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from pagedspec.engine.config import EngineConfig, SpeculativeConfig
 from pagedspec.engine.serve.cli import build_parser, parse_args, speculative_dest
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_config_field_has_a_flag():

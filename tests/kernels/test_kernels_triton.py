@@ -19,18 +19,17 @@ import pytest  # noqa: E402
 
 from pagedspec import kernels  # noqa: E402
 from pagedspec.kernels import reference, triton_attention  # noqa: E402
-from pagedspec.kernels.testing import ATTENTION_CASES as CASES  # noqa: E402
-from pagedspec.kernels.testing import make_paged_problem  # noqa: E402
+from pagedspec.kernels.testing import ATTENTION_CASES as CASES
+from pagedspec.kernels.testing import (  # noqa: E402
+    make_paged_problem,  # noqa: E402
+    relative_error,
+)
 
 CUDA = torch.cuda.is_available()
 # The small cases run in the interpreter on CPU-only machines and compiled where CUDA is present.
 DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 NO_BF16 = "Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)"
-
-
-def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((got.double() - exact).abs().max() / exact.abs().max())
 
 
 def check_against_reference(problem, scale, tol, num_splits=None, dtype=torch.float32):
@@ -243,7 +242,8 @@ def test_gpu_write_kv_cache_matches_reference(dtype, cache_dtype, gen):
     assert all(torch.equal(a, b) for a, b in zip(caches, expect, strict=True))
 
 
-# ---- CPU-only machines (tests/test_kernel_compile.py compiles the GPU path) -------------------
+# ---- CPU-only machines (tests/kernels/test_kernel_compile.py compiles the GPU path)
+# -------------------
 
 _INTERPRETER_AFTER_TRITON = """
 import os, triton  # triton first, as transformers' Llama does, before TRITON_INTERPRET is set

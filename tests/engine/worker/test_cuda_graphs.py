@@ -1,7 +1,7 @@
 """pagedspec.engine.worker.cuda_graphs and pagedspec.engine.core.graph_capture off CUDA: static
 buffers, padding and dispatch, with ``rerun_capture`` standing in for the graph (its replay reruns
 the forward on the same buffers into the same output). The capture itself runs on a GPU:
-tests/test_gpu_engine.py."""
+tests/engine/core/test_gpu_engine.py."""
 
 import pytest
 import torch
