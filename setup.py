@@ -51,6 +51,7 @@ setup(
             "openai",
             "httpx",
             "jsonschema",
+            "kernels",  # Hugging Face's: tests/test_packaging.py imports pagedspec beside it
         ],
     },
     entry_points={"console_scripts": ["pagedspec=pagedspec.cli:main"]},

@@ -2,7 +2,11 @@
 
 import sys
 
-from pagedspec.cli import main
+from pagedspec.checkout import root_last
+
+root_last()  # (run from a checkout's root: see there)
+
+from pagedspec.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,11 @@ a freshly seeded random generator."""
 
 from __future__ import annotations
 
+# First: importing benchmarks moves the checkout's root behind site-packages (pagedspec.checkout
+# says why), so transformers finds Hugging Face's ``kernels``, not the ``kernels/`` folder.
+import benchmarks  # noqa: F401
+
+# isort: split
 import os
 import shutil
 from pathlib import Path

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from model_files import DEFAULT_MODEL_PROMPTS
 from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM
 
@@ -13,12 +14,7 @@ import pagedspec.engine.loader.default_model
 from pagedspec.engine.loader.default_model import INSTALL_COMMAND, default_gguf_path
 from pagedspec.engine.loader.model_loader import LoadedModel, load_model
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-]
+PROMPTS = DEFAULT_MODEL_PROMPTS
 NEW_TOKENS = 64
 
 

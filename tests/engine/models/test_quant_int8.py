@@ -6,10 +6,9 @@ embedding built on them."""
 import gguf
 import numpy as np
 import pytest
-import test_default_model
-import test_model_loader
 import torch
 import torch.nn.functional as F
+from model_files import DEFAULT_MODEL_PROMPTS, TINY, load_cpu, random_hf_model, write_gguf
 from paged_harness import PagedHarness
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -23,7 +22,7 @@ from pagedspec.engine.models.quant import dequantize_q8_0, quantize_q8_0, quanti
 from pagedspec.kernels import cpu_extension
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-PROMPTS = test_default_model.PROMPTS  # the prompts checked token for token against HF
+PROMPTS = DEFAULT_MODEL_PROMPTS  # the prompts checked token for token against HF
 NEW_TOKENS = 64
 
 
@@ -253,10 +252,10 @@ def test_bad_quantization_is_a_value_error_naming_the_field(value):
 def test_q8_0_gguf_runs_its_shipped_numbers(tmp_path):
     """A Q8_0 GGUF loaded with quantization="int8": every Linear (a tied LM head too) holds
     exactly the file's dequantised values, and the logits match HF loading the same file."""
-    hf = test_model_loader.random_hf_model(LlamaConfig(**test_model_loader.TINY), seed=2)
+    hf = random_hf_model(LlamaConfig(**TINY), seed=2)
     path = str(tmp_path / "tiny.gguf")
-    test_model_loader.write_gguf(hf, path, "llama", Q8_0)
-    ours = test_model_loader.load_cpu(path, quantization="int8")
+    write_gguf(hf, path, "llama", Q8_0)
+    ours = load_cpu(path, quantization="int8")
     shipped = dict(iter_gguf(gguf.GGUFReader(path), ours.config))
     state = ours.model.state_dict()  # int8 weights come back dequantised
     linears = [m for m in ours.model.modules() if isinstance(m, linear.Linear)]
@@ -275,7 +274,7 @@ def test_q8_0_gguf_runs_its_shipped_numbers(tmp_path):
 
 
 def default_model_scores_of(quantization: str) -> dict:
-    """test_default_model's prompts continued greedily by the float32 default model; then its
+    """The default model's prompts continued greedily by the float32 default model; then its
     and the ``quantization`` model's log-probabilities over prompt + that continuation
     (teacher-forced: a divergence does not carry on into different text)."""
     models = {
