@@ -75,8 +75,16 @@ class Scheduler:
         (a decode needs at most one)."""
         if len(self.running) > self.config.max_num_batched_tokens:
             return False
-        decodes = sum(1 for seq in self.running if _is_decode(seq))
-        return self.block_manager.num_free_blocks() >= decodes
+        return self.block_manager.num_free_blocks() >= len(self._decoding_and_prefilling()[0])
+
+    def _decoding_and_prefilling(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences split: a decode has one token left to compute (maybe pending
+        on the device), a prefill more."""
+        decoding, prefilling = [], []
+        for seq in self.running:
+            left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
+            (decoding if left == 1 else prefilling).append(seq)
+        return decoding, prefilling
 
     def admissible(self) -> Iterator[Sequence]:
         """The waiting sequences the next step may admit as far as seats go (the queue's head,
@@ -94,9 +102,7 @@ class Scheduler:
         max_len = self.config.max_model_len
         table = self.block_manager.frozen_table
         running = RUNNING
-        decoding, prefilling = [], []
-        for seq in self.running:
-            (decoding if _is_decode(seq) else prefilling).append(seq)
+        decoding, prefilling = self._decoding_and_prefilling()
 
         if self.config.policy == "priority":  # so a victim is never one already scheduled
             decoding.sort(key=self._key)
@@ -233,8 +239,3 @@ class Scheduler:
         if self.config.policy == "fcfs":
             return self.running[-1]
         return max(self.running, key=self._key)
-
-
-def _is_decode(seq: Sequence) -> bool:
-    """A decode has one token left to compute (maybe pending on the device); else a prefill."""
-    return len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens == 1

@@ -142,21 +142,14 @@ def plain_spans(
     scheduling a sequence whose last token is still on the device names it by its placeholder
     (``placeholders[seq_id]``, ``pagedspec.engine.worker.spans.with_pending``)."""
     new = tuple.__new__  # Span(...) runs a Python __new__: a third of a decode span's cost
+    if not placeholders:
+        return [new(Span, (s.seq.token_ids[s.start : s.end], s.start, logit_rows(s),
+                           s.block_table, None)) for s in scheduled]  # fmt: skip
     return [
-        new(
-            Span,
-            (
-                [placeholders[s.seq.seq_id]]
-                if s.seq.num_pending
-                else s.seq.token_ids[s.start : s.end],
-                s.start,
-                logit_rows(s),
-                s.block_table,
-                None,
-            ),
-        )  # fmt: skip
+        new(Span, ([placeholders[s.seq.seq_id]] if s.seq.num_pending else
+                   s.seq.token_ids[s.start : s.end], s.start, logit_rows(s), s.block_table, None))
         for s in scheduled
-    ]
+    ]  # fmt: skip
 
 
 def sample_jobs(
